@@ -107,9 +107,9 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, in] float32 → [n, out] float32, batch-invariant per row."""
-        from kernels import cpu
+        from kernels import ops
 
-        return cpu.linear(self, x)
+        return ops.linear(self, x)
 
 
 def _check(t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, name: str) -> None:
@@ -197,3 +197,20 @@ def quantize_q8(w: torch.Tensor) -> Linear:
     scale = (blk.abs().amax(-1) / 127).clamp_min(1e-8).half().float()
     q = (blk / scale[..., None]).round().clamp(-127, 127).to(torch.int8)
     return Linear.q8(q.view(o, i), scale)
+
+
+def concat_rows(parts: list[Linear]) -> Linear:
+    """Stack several Linears with the same input into one (rows of W concatenated).
+
+    Exact: every output row is computed from its own weight row, so fusing q/k/v or gate/up
+    changes no bit of any output and saves one weight pass over x per fused layer.
+    """
+    fmt, k = parts[0].fmt, parts[0].in_features
+    if any(p.fmt != fmt or p.in_features != k for p in parts):
+        raise ValueError("concat_rows needs Linears of one format and input size")
+    cat = lambda name: torch.cat([getattr(p, name) for p in parts])  # noqa: E731
+    if fmt == "f32":
+        return Linear.dense(cat("weight"))
+    if fmt == "q8":
+        return Linear.q8(cat("qs"), cat("scale"))
+    return Linear.q4(cat("qs"), cat("scale"), cat("minv"))

@@ -1,0 +1,243 @@
+"""EngineCore: the synchronous heart of a replica. step() = schedule → run → postprocess.
+
+It is driven by one thread (Engine's loop, or a test calling step() directly). Requests are
+validated and tokenized by prepare(), which touches no engine state and may run anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from replica.config import EngineConfig
+from replica.errors import ContextLengthError, InvalidRequestError
+from replica.kv import BlockPool, KVCache, SessionCache
+from replica.models.spec import LoadedModel
+from replica.models.transformer import Transformer
+from replica.request import Detokenizer, Request, StreamEvent, new_request_id
+from replica.runner import ModelRunner
+from replica.sampling import SamplingParams, sample
+from replica.scheduler import Scheduler
+from replica.stream import Stream
+
+Sink = Callable[[StreamEvent], None]
+
+
+@dataclass(eq=False)
+class _Live:
+    stream: Stream
+    sink: Sink
+    detok: Detokenizer | None
+    sent: int = 0  # output tokens already reported in events
+    pooled: torch.Tensor | None = None  # embed: running sum of final hidden states
+
+
+class EngineCore:
+    """One model, one KV pool, one scheduler."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        if loaded is None:
+            from replica.models.registry import resolve_model
+
+            loaded = resolve_model(config.model)
+        self.config = config
+        self.model_config = cfg = loaded.config
+        self.tokenizer = loaded.tokenizer
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.model = Transformer(cfg, loaded.weights, config.device)
+        per_block = KVCache.bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads,
+                                            cfg.head_dim)
+        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // per_block)
+        self.kv = KVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads,
+                          cfg.head_dim, device=config.device)
+        self.pool = BlockPool(num_blocks)
+        self.sessions = SessionCache(self.pool, config.block_size)
+        self.scheduler = Scheduler(self.pool, self.sessions, config.block_size,
+                                   config.max_running_streams, config.max_batch_tokens,
+                                   config.retain_sessions)
+        self.runner = ModelRunner(self.model, self.kv)
+        self._live: dict[str, _Live] = {}
+        self.steps = 0
+        self.tokens_computed = 0  # prompt/recompute tokens fed through the model (for tests/stats)
+
+    # ---- requests -----------------------------------------------------------------------
+    @property
+    def max_context(self) -> int:
+        return self.model_config.max_position
+
+    def prompt_ids(self, req: Request) -> list[int]:
+        given = [x is not None for x in (req.prompt, req.prompt_token_ids, req.messages)]
+        if sum(given) != 1:
+            raise InvalidRequestError("give exactly one of prompt, prompt_token_ids, messages",
+                                      param="prompt")
+        if req.messages is not None:
+            text = self.tokenizer.apply_chat_template(list(req.messages), add_generation_prompt=True)
+            return self.tokenizer.encode(text)
+        if req.prompt is not None:
+            if not isinstance(req.prompt, str) or not req.prompt:
+                raise InvalidRequestError("prompt must be a non-empty string", param="prompt")
+            return self.tokenizer.encode(req.prompt)
+        ids = list(req.prompt_token_ids)
+        vocab = self.model_config.vocab_size
+        if not ids or any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < vocab
+                          for i in ids):
+            raise InvalidRequestError(f"prompt token ids must be a non-empty list of ints in "
+                                      f"[0, {vocab})", param="prompt")
+        return ids
+
+    def prepare(self, req: Request, embed: bool = False) -> Stream:
+        """Validate and tokenize; raises typed errors. Touches no engine state."""
+        ids = self.prompt_ids(req)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty after tokenization", param="prompt")
+        resume = list(req.resume_token_ids)
+        params = req.params.with_seed()
+        limit = self.max_context
+        if len(ids) + len(resume) >= limit + (1 if embed else 0):
+            raise ContextLengthError(
+                f"this model's maximum context length is {limit} tokens; the prompt has "
+                f"{len(ids) + len(resume)}", param="messages" if req.messages else "prompt")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > limit and not embed:
+            raise ContextLengthError(
+                f"this model's maximum context length is {limit} tokens; you requested "
+                f"{len(ids) + params.max_tokens} ({len(ids)} prompt + {params.max_tokens} "
+                f"completion)", param="max_tokens")
+        blocks_needed = -(-(len(ids) + len(resume) + 1) // self.config.block_size)
+        if blocks_needed > self.pool.num_blocks:
+            raise ContextLengthError(f"the prompt needs {blocks_needed} KV blocks; this replica "
+                                     f"has {self.pool.num_blocks}", param="prompt")
+        return Stream(req.request_id, ids, params, session_id=req.session_id, embed=embed,
+                      output_ids=resume, num_resumed=len(resume))
+
+    def add(self, stream: Stream, sink: Sink) -> None:
+        """Admit a prepared stream; its events go to sink (called on the stepping thread)."""
+        if stream.request_id in self._live:
+            raise InvalidRequestError(f"duplicate request id {stream.request_id}")
+        detok = None
+        if not stream.embed:
+            detok = Detokenizer(self.tokenizer, stream.params.stop)
+            detok.skip(stream.output_ids)
+        live = _Live(stream, sink, detok, sent=stream.num_resumed)
+        self._live[stream.request_id] = live
+        reason = self._finish_reason(stream) if stream.output_ids else None
+        if reason:  # the resumed tokens already complete the request
+            self._finish(live, reason)
+            return
+        self.scheduler.add(stream)
+
+    def abort(self, request_id: str) -> None:
+        live = self._live.get(request_id)
+        if live is not None:
+            self._finish(live, "cancelled")
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- the step -----------------------------------------------------------------------
+    def step(self) -> int:
+        """Run one step; returns the number of tokens fed through the model."""
+        record = self.scheduler.schedule()
+        if not record.chunks:
+            return 0
+        out = self.runner.execute(record)
+        self.steps += 1
+        self.tokens_computed += record.num_tokens
+        for r, chunk in enumerate(record.chunks):
+            s = chunk.stream
+            s.num_computed = chunk.end
+            live = self._live[s.request_id]
+            if s.embed:
+                self._pool_hidden(live, out.hidden[r])
+                continue
+            if chunk.samples:
+                tok = sample(out.logits[r], s.params, position=s.num_tokens)
+                s.output_ids.append(tok)
+                self._emit(live)
+        return record.num_tokens
+
+    def _pool_hidden(self, live: _Live, hidden: torch.Tensor) -> None:
+        acc = live.pooled if live.pooled is not None else torch.zeros(hidden.shape[1])
+        for row in hidden:  # sequential, in position order: invariant to chunking
+            acc = acc + row
+        live.pooled = acc
+        s = live.stream
+        if s.num_computed == s.num_tokens:
+            mean = acc.to(torch.float64) / s.num_tokens
+            vec = (mean / mean.norm().clamp_min(1e-12)).to(torch.float32)
+            live.sink(StreamEvent(s.request_id, "", (), True, "stop", s.num_tokens, 0, 0,
+                                  embedding=tuple(vec.tolist())))
+            self._release(live)
+
+    def _finish_reason(self, s: Stream) -> str | None:
+        p = s.params
+        last = s.output_ids[-1]
+        if (not p.ignore_eos and last in self.model_config.eos_token_ids) or last in p.stop_token_ids:
+            return "stop"
+        if p.max_tokens is not None and s.num_generated >= p.max_tokens:
+            return "length"
+        if s.num_tokens >= self.max_context:
+            return "length"
+        return None
+
+    def _emit(self, live: _Live) -> None:
+        s = live.stream
+        reason = self._finish_reason(s)
+        text = live.detok.delta(s.output_ids, final=reason is not None)
+        if live.detok.stopped:
+            reason = "stop"
+        if reason:
+            self._finish(live, reason, text)
+            return
+        self._send(live, text, finished=False, reason=None)
+
+    def _send(self, live: _Live, text: str, finished: bool, reason: str | None,
+              error: Exception | None = None) -> None:
+        s = live.stream
+        new = tuple(s.output_ids[live.sent:])
+        live.sent = len(s.output_ids)
+        live.sink(StreamEvent(s.request_id, text, new, finished, reason, len(s.prompt_ids),
+                              s.num_generated, s.num_cached, error=error))
+
+    def _finish(self, live: _Live, reason: str, text: str = "") -> None:
+        live.stream.finish_reason = reason
+        self._send(live, text, finished=True, reason=reason)
+        self._release(live)
+
+    def _release(self, live: _Live) -> None:
+        s = live.stream
+        if s.finish_reason is None:
+            s.finish_reason = "stop"
+        self.scheduler.finish(s)
+        self._live.pop(s.request_id, None)
+
+    def fail_all(self, error: Exception) -> None:
+        """The loop is dying: every live request gets a final error event."""
+        for live in list(self._live.values()):
+            live.stream.finish_reason = "error"
+            try:
+                self._send(live, "", True, "error", error)
+            finally:
+                self._live.pop(live.stream.request_id, None)
+
+    # ---- introspection ------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    def stats(self) -> dict:
+        return {
+            "active_streams": len(self.scheduler.running),
+            "waiting_streams": len(self.scheduler.waiting),
+            "free_kv_blocks": self.pool.num_free,
+            "total_kv_blocks": self.pool.num_blocks,
+            "resident_sessions": self.sessions.keys(),
+            "max_running_streams": self.config.max_running_streams,
+        }
+
+
+def embed_request(text: str) -> Request:
+    return Request(prompt=text, params=SamplingParams(max_tokens=1, temperature=0.0),
+                   request_id=new_request_id())

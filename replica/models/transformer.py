@@ -1,0 +1,147 @@
+"""The decoder forward pass (llama / qwen3 / qwen3_moe) over a flat batch of tokens.
+
+Every op is row-local: projections, norms and activations work per token; attention reads
+only the token's own stream's KV. So a token's result depends only on its stream, never on
+the batch or on how its prompt was chunked (DESIGN.md, principle 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels import ops
+from kernels.linear import Linear, concat_rows
+from replica.kv import KVCache
+from replica.models.spec import LayerWeights, ModelConfig, ModelWeights
+
+
+@dataclass(frozen=True, eq=False)
+class ForwardBatch:
+    """A step's tokens, flattened. T tokens from S streams."""
+
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slots: torch.Tensor  # [T] int64: block * block_size + offset where the token's K/V go
+    block_tables: torch.Tensor  # [S, MB] int32
+    tok_row: torch.Tensor  # [T] int32: the block-table row of each token
+    ctx_lens: torch.Tensor  # [T] int32: keys visible to each token (position + 1)
+    logit_rows: torch.Tensor  # [L] int64: tokens whose next-token logits are wanted
+    hidden_rows: torch.Tensor | None = None  # [E] int64: tokens whose final hidden state is wanted
+
+
+@dataclass(frozen=True, eq=False)
+class _Layer:
+    attn_norm: torch.Tensor
+    qkv: Linear  # q, k, v rows fused
+    o: Linear
+    mlp_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    gate_up: Linear | None  # gate and up rows fused
+    down: Linear | None
+    router: Linear | None
+    experts: tuple[tuple[Linear, Linear], ...]  # (gate_up, down) per expert
+
+
+def rope_tables(cfg: ModelConfig, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_position, head_dim] in fp32, computed as Hugging Face does."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    pos = torch.arange(cfg.max_position, dtype=torch.float32)
+    freqs = pos[:, None] * inv_freq[None, :]  # [P, d/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [P, d]
+    return emb.cos().to(device), emb.sin().to(device)
+
+
+class Transformer:
+    """Holds fused weights and RoPE tables; forward() runs one step."""
+
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, device: str = "cpu") -> None:
+        self.cfg = cfg
+        self.device = device
+        self.embed = weights.embed.to(device)
+        self.lm_head = self.embed if weights.lm_head is weights.embed else weights.lm_head.to(device)
+        self.final_norm = weights.final_norm.to(device)
+        self.layers = tuple(self._fuse(layer) for layer in weights.layers)
+        self.cos, self.sin = rope_tables(cfg, device)
+        self.scale = cfg.head_dim ** -0.5
+
+    def _fuse(self, w: LayerWeights) -> _Layer:
+        dev = self.device
+        t = lambda x: None if x is None else x.to(device=dev, dtype=torch.float32)  # noqa: E731
+        dense = w.gate is not None
+        return _Layer(
+            attn_norm=t(w.attn_norm), qkv=concat_rows([w.q, w.k, w.v]).to(dev), o=w.o.to(dev),
+            mlp_norm=t(w.mlp_norm), q_norm=t(w.q_norm), k_norm=t(w.k_norm),
+            gate_up=concat_rows([w.gate, w.up]).to(dev) if dense else None,
+            down=w.down.to(dev) if dense else None,
+            router=None if dense else w.router.to(dev),
+            experts=tuple((concat_rows([e.gate, e.up]).to(dev), e.down.to(dev)) for e in w.experts),
+        )
+
+    @torch.inference_mode()
+    def forward(self, b: ForwardBatch, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """→ (logits [L, vocab] fp32, final hidden [E, hidden] or None)."""
+        cfg = self.cfg
+        t = b.token_ids.shape[0]
+        h = self.embed.rows(b.token_ids)  # [T, hidden]
+        cos = self.cos[b.positions][:, None, :]  # [T, 1, D]
+        sin = self.sin[b.positions][:, None, :]
+        for i, layer in enumerate(self.layers):
+            x = ops.rms_norm(h, layer.attn_norm, cfg.rms_norm_eps)
+            qkv = layer.qkv(x)  # [T, (H + 2*KVH) * D]
+            q = qkv[:, : cfg.q_size].reshape(t, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, cfg.q_size: cfg.q_size + cfg.kv_size].reshape(t, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, cfg.q_size + cfg.kv_size:].reshape(t, cfg.num_kv_heads, cfg.head_dim)
+            if layer.q_norm is not None:
+                q = ops.rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+                k = ops.rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            kv.write(i, b.slots, k, v.contiguous())
+            attn = ops.paged_attention(q, kv.k[i], kv.v[i], b.block_tables, b.tok_row,
+                                       b.ctx_lens, self.scale)  # [T, H, D]
+            h = h + layer.o(attn.reshape(t, cfg.q_size))
+            x = ops.rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps)
+            h = h + (self._moe(layer, x) if layer.router is not None else _mlp(layer.gate_up, layer.down, x))
+        hidden = None
+        if b.hidden_rows is not None and b.hidden_rows.numel():
+            hidden = ops.rms_norm(h[b.hidden_rows], self.final_norm, cfg.rms_norm_eps)
+        logits = None
+        if b.logit_rows.numel():
+            logits = self.lm_head(ops.rms_norm(h[b.logit_rows], self.final_norm, cfg.rms_norm_eps))
+        return logits, hidden
+
+    def _moe(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        """Top-k experts per token; the k contributions are summed in rank order (fixed)."""
+        cfg = self.cfg
+        probs = ops.softmax(layer.router(x))  # [T, E]
+        top_w, top_i = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)  # [T, k]
+        if cfg.norm_topk_prob:
+            total = top_w[:, 0]
+            for j in range(1, top_w.shape[1]):
+                total = total + top_w[:, j]
+            top_w = top_w / total[:, None]
+        ys = torch.zeros(top_w.shape[1], x.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+        for e in torch.unique(top_i).tolist():
+            tok, rank = (top_i == e).nonzero(as_tuple=True)
+            gate_up, down = layer.experts[e]
+            ys[rank, tok] = _mlp(gate_up, down, x[tok])
+        out = ys[0] * top_w[:, 0:1]
+        for j in range(1, ys.shape[0]):
+            out = out + ys[j] * top_w[:, j: j + 1]
+        return out
+
+
+def _mlp(gate_up: Linear, down: Linear, x: torch.Tensor) -> torch.Tensor:
+    gu = gate_up(x)  # [T, 2I]
+    inter = gu.shape[1] // 2
+    return down(ops.silu_mul(gu[:, :inter], gu[:, inter:]))
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE; x [T, heads, D], cos/sin [T, 1, D]. Elementwise, hence row-local."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rot * sin

@@ -1,0 +1,97 @@
+"""Sampling parameters and the per-stream sampler.
+
+A stream's randomness depends only on (seed, position): the generator for the token at
+position p is seeded from (seed, p). Seeded sampling is therefore reproducible in any batch,
+after preemption and after a resume.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from replica.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """vLLM-shaped sampling parameters (temperature 0 = greedy)."""
+
+    max_tokens: int | None = 16  # None: up to the context length
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))  # normalize a single stop string
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.max_tokens is not None and (isinstance(self.max_tokens, bool)
+                                            or not isinstance(self.max_tokens, int)
+                                            or self.max_tokens < 1):
+            raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}",
+                                      param="max_tokens")
+        if not (isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0):
+            raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature!r}",
+                                      param="temperature")
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise InvalidRequestError(f"top_k must be -1, 0 or positive, got {self.top_k!r}",
+                                      param="top_k")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}", param="seed")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop must be non-empty strings", param="stop")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def with_seed(self) -> "SamplingParams":
+        """A copy with a concrete seed (drawn now if none was given) so replays match."""
+        if self.seed is not None or self.greedy:
+            return self
+        seed = int.from_bytes(os.urandom(8), "little") >> 1
+        return SamplingParams(self.max_tokens, self.temperature, self.top_p, self.top_k, seed,
+                              self.stop, self.stop_token_ids, self.ignore_eos)
+
+
+def position_generator(seed: int, position: int) -> torch.Generator:
+    """The generator for the token sampled at `position` of a stream seeded with `seed`."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
+    """Pick the token at `position` from one stream's logits [vocab] (float32).
+
+    Runs per stream, so the result depends only on this stream's logits and (seed, position).
+    """
+    if params.greedy:
+        return int(torch.argmax(logits))
+    scaled = logits.to(torch.float64) / params.temperature  # [V]
+    probs = torch.softmax(scaled, dim=-1)
+    probs, order = torch.sort(probs, descending=True, stable=True)  # [V], ties by token id
+    keep = probs.numel()
+    if params.top_k > 0:
+        keep = min(keep, params.top_k)
+    if params.top_p < 1.0:
+        cum = torch.cumsum(probs, dim=-1)
+        # smallest prefix whose mass reaches top_p (always at least one token)
+        keep = min(keep, int(torch.searchsorted(cum, torch.tensor([params.top_p],
+                                                dtype=torch.float64))) + 1)
+    probs = probs[:keep]
+    cum = torch.cumsum(probs, dim=-1)
+    u = torch.rand(1, generator=position_generator(params.seed, position), dtype=torch.float64)
+    idx = int(torch.searchsorted(cum, u * cum[-1], right=True).clamp(max=keep - 1))
+    return int(order[idx])

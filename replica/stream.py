@@ -1,0 +1,48 @@
+"""One stream's state, as counters: phases are derived, never stored.
+
+tokens = prompt_ids + output_ids; num_computed tokens have KV in the cache. A step feeds
+tokens[num_computed:end]; when end == num_tokens the stream samples its next token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from replica.sampling import SamplingParams
+
+
+@dataclass(eq=False)
+class Stream:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    session_id: str | None = None
+    embed: bool = False  # an embedding request: prefill only, pooled hidden state out
+    output_ids: list[int] = field(default_factory=list)
+    num_resumed: int = 0  # output tokens given by resume_token_ids (not emitted again)
+    num_computed: int = 0
+    num_cached: int = 0  # prompt tokens whose KV came from the session cache (this turn)
+    block_table: list[int] = field(default_factory=list)
+    arrival: int = 0
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def owner(self) -> str:
+        return f"stream:{self.request_id}"
