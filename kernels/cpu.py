@@ -77,8 +77,10 @@ def library() -> ctypes.CDLL:
     return lib
 
 
-def _threads() -> int:
-    return torch.get_num_threads()
+def _threads(work: int) -> int:
+    """Threads for a call of `work` multiply-adds: one for small calls, where waking a team
+    costs more than it saves. Results never depend on it (work is split by rows only)."""
+    return 1 if work < (1 << 18) else torch.get_num_threads()
 
 
 def _f32(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -101,7 +103,8 @@ def linear(lin: Linear, x: torch.Tensor) -> torch.Tensor:
     scale = lin.scale.data_ptr() if lin.scale is not None else None
     minv = lin.minv.data_ptr() if lin.minv is not None else None
     library().fs_linear(_FMT[lin.fmt], x.data_ptr(), x.shape[0], x.shape[1], wq.data_ptr(),
-                        scale, minv, lin.out_features, y.data_ptr(), _threads())
+                        scale, minv, lin.out_features, y.data_ptr(),
+                        _threads(x.shape[0] * lin.out_features * lin.in_features))
     return y
 
 
@@ -114,7 +117,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         raise ValueError(f"rms_norm: last dim {k} must be a multiple of 8 and match weight")
     y = torch.empty_like(x)
     library().fs_rms_norm(x.data_ptr(), weight.data_ptr(), x.numel() // k, k, eps, y.data_ptr(),
-                          _threads())
+                          _threads(x.numel() * 4))
     return y
 
 
@@ -127,7 +130,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             raise ValueError(f"silu_mul: {name} must be float32 with contiguous rows")
     out = torch.empty(gate.shape, dtype=torch.float32)
     library().fs_silu_mul(gate.data_ptr(), up.data_ptr(), gate.shape[0], gate.shape[1],
-                          gate.stride(0), up.stride(0), out.data_ptr(), _threads())
+                          gate.stride(0), up.stride(0), out.data_ptr(), _threads(gate.numel() * 16))
     return out
 
 
@@ -135,7 +138,8 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
     """Row softmax of x [n, K] with a sequential sum."""
     x = _f32(x, "x")
     y = torch.empty_like(x)
-    library().fs_softmax(x.data_ptr(), x.shape[0], x.shape[1], y.data_ptr(), _threads())
+    library().fs_softmax(x.data_ptr(), x.shape[0], x.shape[1], y.data_ptr(),
+                         _threads(x.numel() * 16))
     return y
 
 
@@ -167,7 +171,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     library().fs_paged_attention(q.data_ptr(), t, h, kvh, d, k_cache.data_ptr(),
                                  v_cache.data_ptr(), bs, block_tables.data_ptr(),
                                  block_tables.shape[1], tok_row.data_ptr(), ctx_lens.data_ptr(),
-                                 scale, out.data_ptr(), _threads())
+                                 scale, out.data_ptr(),
+                                 _threads(int(ctx_lens.sum()) * h * d * 2))
     return out
 
 

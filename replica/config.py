@@ -25,6 +25,7 @@ class EngineConfig:
     max_waiting_streams: int = 4096
     retain_sessions: bool = True  # keep a session's KV after its turn for the next one
     threads: int | None = None  # CPU threads for kernels (None: torch's setting)
+    poison_freed_kv: bool = False  # debug/tests: NaN-fill blocks as they are freed
 
     def __post_init__(self) -> None:
         checks = {

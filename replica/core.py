@@ -53,7 +53,7 @@ class EngineCore:
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // per_block)
         self.kv = KVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads,
                           cfg.head_dim, device=config.device)
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, self.kv.poison if config.poison_freed_kv else None)
         self.sessions = SessionCache(self.pool, config.block_size)
         self.scheduler = Scheduler(self.pool, self.sessions, config.block_size,
                                    config.max_running_streams, config.max_batch_tokens,
@@ -141,6 +141,8 @@ class EngineCore:
     def step(self) -> int:
         """Run one step; returns the number of tokens fed through the model."""
         record = self.scheduler.schedule()
+        for s in record.exhausted:
+            self._finish(self._live[s.request_id], "length")
         if not record.chunks:
             return 0
         out = self.runner.execute(record)

@@ -20,10 +20,11 @@ class NoFreeBlocks(Exception):
 class BlockPool:
     """Free list (FIFO: freed blocks are reused last) and ref-counts for num_blocks blocks."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, on_release=None) -> None:
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._ref = [0] * num_blocks
+        self._on_release = on_release  # called with blocks that return to the free list
 
     @property
     def num_free(self) -> int:
@@ -49,12 +50,16 @@ class BlockPool:
 
     def free(self, blocks: list[int]) -> None:
         """Drop one reference to each block; blocks reaching zero return to the free list."""
+        released = []
         for b in blocks:
             if self._ref[b] <= 0:
                 raise RuntimeError(f"double free of block {b}")
             self._ref[b] -= 1
             if self._ref[b] == 0:
                 self._free.append(b)
+                released.append(b)
+        if released and self._on_release is not None:
+            self._on_release(released)
 
     def check_integrity(self, owners: dict[str, list[int]]) -> None:
         """free + held == total; ref-count == number of owners; no free block is owned."""
@@ -160,11 +165,8 @@ class KVCache:
         kc.view(-1, *kc.shape[2:]).index_copy_(0, slots, k)
         vc.view(-1, *vc.shape[2:]).index_copy_(0, slots, v)
 
-    def block_checksum(self, blocks: list[int]) -> int:
-        """A hash of the given blocks' bits across all layers (tests: KV never moves)."""
-        idx = torch.tensor(blocks, dtype=torch.long)
-        h = 0
-        for kc, vc in zip(self.k, self.v):
-            for t in (kc, vc):
-                h = hash((h, t[idx].contiguous().view(torch.int32).numpy().tobytes()))
-        return h
+    def poison(self, blocks: list[int]) -> None:
+        """Fill blocks with NaN (debug mode: any read of freed KV then shows in the output)."""
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.k[0].device)
+        for t in self.k + self.v:
+            t.index_fill_(0, idx, float("nan"))

@@ -36,6 +36,7 @@ class Chunk:
 class StepRecord:
     chunks: tuple[Chunk, ...]
     preempted: tuple[Stream, ...]
+    exhausted: tuple[Stream, ...] = ()  # cannot grow even alone: the pool is too small for it
 
     @property
     def num_tokens(self) -> int:
@@ -56,6 +57,7 @@ class Scheduler:
         self.waiting: deque[Stream] = deque()
         self.running: list[Stream] = []  # admission order
         self._arrivals = 0
+        self.num_preemptions = 0  # total, for stats and tests
 
     # ---- membership ---------------------------------------------------------------------
     def add(self, stream: Stream) -> None:
@@ -97,6 +99,7 @@ class Scheduler:
         budget = self.max_batch_tokens
         chunks: list[Chunk] = []
         preempted: list[Stream] = []
+        exhausted: list[Stream] = []
         decodes = [s for s in self.running if s.num_tokens - s.num_computed == 1]
         prefills = [s for s in self.running if s.num_tokens - s.num_computed > 1]
         for s in decodes + prefills:
@@ -106,7 +109,10 @@ class Scheduler:
                 continue
             n = min(s.num_tokens - s.num_computed, budget)
             if not self._grow(s, s.num_computed + n, preempted):
-                self._preempt(s, preempted)
+                if len(self.running) == 1 and not self.sessions.keys():
+                    exhausted.append(s)  # alone and still out of blocks: it can never continue
+                else:
+                    self._preempt(s, preempted)
                 continue
             chunks.append(Chunk(s, s.num_computed, s.num_computed + n))
             budget -= n
@@ -127,7 +133,7 @@ class Scheduler:
             budget -= n
         # a stream preempted after it was scheduled (by an older one needing blocks) drops out
         chunks = [c for c in chunks if c.stream not in preempted]
-        return StepRecord(tuple(chunks), tuple(preempted))
+        return StepRecord(tuple(chunks), tuple(preempted), tuple(exhausted))
 
     def _claim_session(self, s: Stream) -> None:
         if s.session_id is None or s.embed or not self.retain_sessions:
@@ -157,6 +163,7 @@ class Scheduler:
         self.running.remove(s)
         self._release(s)
         s.num_preemptions += 1
+        self.num_preemptions += 1
         preempted.append(s)
         # back to the front, keeping arrival order among preempted streams
         i = 0

@@ -1,0 +1,86 @@
+"""The `fedserve` command line. Subcommands import what they need lazily, so `generate` never
+imports Ray and `up` never imports transformers."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _streams(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of ints, got {text!r}")
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError("stream counts must be positive")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fedserve", description="fedserve: federated LLM serving")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="complete one prompt with the local engine")
+    g.add_argument("prompt")
+    g.add_argument("--chat", action="store_true", help="treat PROMPT as a user chat message")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--model", default="smollm2-135m")
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    be = bsub.add_parser("engine", help="engine tok/s and TTFT per concurrency")
+    be.add_argument("--model", default="smollm2-135m")
+    be.add_argument("--streams", type=_streams, default=[1, 4, 8, 16])
+    be.add_argument("--max-tokens", type=int, default=64)
+    be.add_argument("--json", default=None, help="write results to this JSON file")
+    be.add_argument("--compare-transformers", action="store_true")
+    be.add_argument("--device", default="cpu")
+    return p
+
+
+def cmd_generate(args) -> int:
+    from replica import Engine, EngineConfig, FedserveError, Request, SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, seed=args.seed)
+        engine = Engine(EngineConfig(model=args.model))
+    except FedserveError as e:
+        print(f"error: {e.message}", file=sys.stderr)
+        return 2
+    try:
+        req = (Request(messages=({"role": "user", "content": args.prompt},), params=params)
+               if args.chat else Request(prompt=args.prompt, params=params))
+        out = engine.generate([req])[0]
+    except FedserveError as e:
+        print(f"error: {e.message}", file=sys.stderr)
+        return 2
+    finally:
+        engine.shutdown()
+    print(out.text)
+    return 0
+
+
+def cmd_bench_engine(args) -> int:
+    from replica import bench
+
+    bench.run(args.model, args.streams, args.max_tokens, args.compare_transformers, args.json,
+              {"device": args.device})
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "generate":
+        return cmd_generate(args)
+    if args.command == "bench" and args.bench == "engine":
+        return cmd_bench_engine(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

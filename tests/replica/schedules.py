@@ -1,0 +1,116 @@
+"""A harness that drives EngineCore through a schedule of joins, cancellations and finishes,
+checking isolation (KV of continuing streams never changes) and integrity at every step."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from replica.config import EngineConfig
+from replica.core import EngineCore
+from replica.request import Request
+from replica.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    prompt: tuple[int, ...]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    arrival: int = 0  # step at which it joins
+    cancel_after: int | None = None  # steps after arrival at which it is cancelled
+
+    def request(self, rid: str) -> Request:
+        params = SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature,
+                                top_p=self.top_p, top_k=self.top_k, seed=self.seed, ignore_eos=True)
+        return Request(prompt_token_ids=self.prompt, params=params, request_id=rid)
+
+
+def kv_digest(core: EngineCore, stream, n: int) -> str:
+    """Digest of the K/V bits at the stream's first n positions, across all layers."""
+    bs = core.config.block_size
+    slots = torch.tensor([stream.block_table[p // bs] * bs + p % bs for p in range(n)],
+                         dtype=torch.long)
+    h = hashlib.blake2b(digest_size=16)
+    for kc, vc in zip(core.kv.k, core.kv.v):
+        for t in (kc, vc):
+            h.update(t.view(-1, *t.shape[2:])[slots].contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def record_logits(core: EngineCore) -> dict[str, list[tuple[int, str]]]:
+    """Wrap the core's runner to log, per request, (position, digest of the logits' bits) of
+    every sampled position. Tokens can agree while logits differ; bits cannot."""
+    log: dict[str, list[tuple[int, str]]] = {}
+    execute = core.runner.execute
+
+    def logged(record):
+        out = execute(record)
+        for r, chunk in enumerate(record.chunks):
+            if r in out.logits:
+                bits = out.logits[r].contiguous().numpy().tobytes()
+                log.setdefault(chunk.stream.request_id, []).append(
+                    (chunk.end, hashlib.blake2b(bits, digest_size=16).hexdigest()))
+        return out
+
+    core.runner.execute = logged
+    return log
+
+
+def run_solo(core: EngineCore, spec: StreamSpec) -> tuple[list[int], list[tuple[int, str]]]:
+    """(tokens, logit digests) of spec running alone."""
+    events = []
+    log = record_logits(core)
+    try:
+        core.add(core.prepare(spec.request("solo")), events.append)
+        while core.has_work:
+            core.step()
+    finally:
+        del core.runner.execute  # back to the class method
+    assert events[-1].finished
+    return [t for ev in events for t in ev.token_ids], log.get("solo", [])
+
+
+def run_schedule(core: EngineCore, specs: list[StreamSpec], check_kv: bool = True,
+                 ) -> tuple[dict[int, list[int]], dict[int, list[tuple[int, str]]]]:
+    """Run specs together → (index → tokens emitted, index → logit digests)."""
+    out: dict[int, list[int]] = {i: [] for i in range(len(specs))}
+    log = record_logits(core)
+    done: set[int] = set()
+    step = 0
+    pending = sorted(range(len(specs)), key=lambda i: specs[i].arrival)
+    while pending or core.has_work:
+        while pending and specs[pending[0]].arrival <= step:
+            i = pending.pop(0)
+
+            def sink(ev, i=i):
+                out[i].extend(ev.token_ids)
+                if ev.finished:
+                    done.add(i)
+            core.add(core.prepare(specs[i].request(f"r{i}")), sink)
+        for i, spec in enumerate(specs):
+            if spec.cancel_after is not None and spec.arrival + spec.cancel_after == step and i not in done:
+                core.abort(f"r{i}")
+        before = {s.request_id: (s.num_computed, s.num_preemptions, kv_digest(core, s, s.num_computed))
+                  for s in core.scheduler.running} if check_kv else {}
+        core.step()
+        step += 1
+        core.check_integrity()
+        for s in core.scheduler.running:
+            if s.request_id in before and before[s.request_id][1] == s.num_preemptions:
+                n, _, digest = before[s.request_id]
+                assert kv_digest(core, s, n) == digest, f"{s.request_id}: its KV changed"
+        assert step < 10_000, "schedule did not finish"
+    return out, {i: log.get(f"r{i}", []) for i in range(len(specs))}
+
+
+def small_core(loaded, **kw) -> EngineCore:
+    cfg = dict(model=loaded.config.name, block_size=4, num_kv_blocks=64, max_batch_tokens=16,
+               max_running_streams=16, poison_freed_kv=True)
+    cfg.update(kw)
+    return EngineCore(EngineConfig(**cfg), loaded=loaded)
