@@ -24,7 +24,7 @@ import torch
 from kernels.linear import Linear
 
 _SRC = Path(__file__).with_name("csrc") / "fedserve_cpu.c"
-_CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-fPIC",
+_CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-pthread", "-fPIC",
            "-shared", "-std=gnu11")
 _FMT = {"f32": 0, "q4": 1, "q8": 2}
 _P = ctypes.c_void_p
@@ -94,8 +94,8 @@ def linear(lin: Linear, x: torch.Tensor) -> torch.Tensor:
     x = _f32(x, "x")
     if x.dim() != 2 or x.shape[1] != lin.in_features:
         raise ValueError(f"x: expected [n, {lin.in_features}], got {tuple(x.shape)}")
-    if lin.fmt == "f32" and lin.in_features % 8:
-        raise ValueError("f32 linear needs in_features % 8 == 0")
+    if lin.in_features % 32:
+        raise ValueError(f"linear needs in_features % 32 == 0, got {lin.in_features}")
     y = torch.empty(x.shape[0], lin.out_features, dtype=torch.float32)
     if x.shape[0] == 0:
         return y

@@ -6,99 +6,255 @@
  * in the batch. Rules that make that true:
  *   - built with -ffp-contract=off and without -ffast-math: no FMA contraction, no reassociation,
  *     so vectorization cannot change results and a*b+c means round(round(a*b)+c) everywhere;
- *   - dot products use 8 lanes (lane l sums elements k = l mod 8 in increasing k) and one fixed
- *     pairwise lane combine;
+ *   - dot products use fixed lanes (lane l sums elements k = l mod 16, or mod 8, in increasing k)
+ *     and one fixed pairwise lane combine;
  *   - threads split work by output rows/heads only; a reduction is never split.
+ * Threads come from a small persistent pool of our own (not OpenMP: libgomp throttles its spin
+ * when more threads than cores exist, which made every kernel called off the main thread — the
+ * engine's step loop — twice as slow).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
 #endif
 
 typedef float v8 __attribute__((vector_size(32)));
 
 #define QB 32     /* quantization block (elements) */
 #define TR 4      /* output rows per tile */
-#define BCHUNK 64 /* batch rows per accumulator pass (bounds scratch; order unaffected) */
+
+/* ---- thread pool -------------------------------------------------------------------------- */
+#define MAXT 64
+#define SPIN 200000
+typedef void (*range_fn)(void *ctx, int64_t begin, int64_t end);
+static struct {
+    pthread_mutex_t busy; /* one dispatch at a time; a concurrent caller runs inline */
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+    int nworkers;
+    atomic_long gen;
+    atomic_int remaining;
+    range_fn fn;
+    void *ctx;
+    int64_t total;
+    int nparts;
+} P = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+
+static void run_part(int i) {
+    int64_t b = P.total * i / P.nparts, e = P.total * (i + 1) / P.nparts;
+    if (b < e) P.fn(P.ctx, b, e);
+}
+
+static long start_gen[MAXT]; /* the generation a worker was created at (set by its creator) */
+
+static void *pool_worker(void *arg) {
+    int id = (int)(intptr_t)arg;
+    long seen = start_gen[id]; /* jobs after this one are ours, even if we start late */
+    for (;;) {
+        long g;
+        int spins = 0;
+        while ((g = atomic_load_explicit(&P.gen, memory_order_acquire)) == seen) {
+            if (++spins < SPIN) { __builtin_ia32_pause(); continue; }
+            pthread_mutex_lock(&P.lock);
+            while (atomic_load(&P.gen) == seen) pthread_cond_wait(&P.wake, &P.lock);
+            pthread_mutex_unlock(&P.lock);
+        }
+        seen = g;
+        if (id < P.nparts) {
+            run_part(id);
+            atomic_fetch_sub_explicit(&P.remaining, 1, memory_order_release);
+        }
+    }
+    return NULL;
+}
+
+/* fn over [0, total) split into contiguous parts, one per thread (the caller runs part 0). */
+static void parallel_for(range_fn fn, void *ctx, int64_t total, int nthreads) {
+    if (nthreads > MAXT) nthreads = MAXT;
+    if (nthreads <= 1 || total <= 1 || pthread_mutex_trylock(&P.busy) != 0) {
+        fn(ctx, 0, total);
+        return;
+    }
+    while (P.nworkers < nthreads - 1) {
+        pthread_t th;
+        start_gen[P.nworkers + 1] = atomic_load(&P.gen);
+        if (pthread_create(&th, NULL, pool_worker, (void *)(intptr_t)(P.nworkers + 1)) != 0) break;
+        pthread_detach(th);
+        P.nworkers++;
+    }
+    int parts = nthreads < P.nworkers + 1 ? nthreads : P.nworkers + 1;
+    if (parts > total) parts = (int)total;
+    P.fn = fn, P.ctx = ctx, P.total = total, P.nparts = parts;
+    atomic_store(&P.remaining, parts - 1);
+    pthread_mutex_lock(&P.lock);
+    atomic_fetch_add_explicit(&P.gen, 1, memory_order_release);
+    pthread_cond_broadcast(&P.wake);
+    pthread_mutex_unlock(&P.lock);
+    run_part(0);
+    while (atomic_load_explicit(&P.remaining, memory_order_acquire) > 0) __builtin_ia32_pause();
+    pthread_mutex_unlock(&P.busy);
+}
 
 static inline v8 ld8(const float *p) { v8 r; memcpy(&r, p, sizeof r); return r; }
 static inline void st8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
 static inline float hsum8(v8 a) {
     return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
 }
-static inline int nthreads_or_default(int n) { return n > 0 ? n : 1; }
 
-/* Dequantize one 32-block of row `row`, block `g` into w[32] (exactly like kernels/linear.py). */
+typedef float v16 __attribute__((vector_size(64)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+/* a*b + c with one rounding (IEEE fma): the same bits on every ISA, so the kernels' results
+ * do not depend on which of these paths the compiler was allowed to use. */
+static inline v16 fma16(v16 a, v16 b, v16 c) {
+#if defined(__AVX512F__)
+    return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    v8 al, ah, bl, bh, cl, ch;
+    memcpy(&al, &a, 32); memcpy(&ah, (char *)&a + 32, 32);
+    memcpy(&bl, &b, 32); memcpy(&bh, (char *)&b + 32, 32);
+    memcpy(&cl, &c, 32); memcpy(&ch, (char *)&c + 32, 32);
+    v8 rl = (v8)_mm256_fmadd_ps((__m256)al, (__m256)bl, (__m256)cl);
+    v8 rh = (v8)_mm256_fmadd_ps((__m256)ah, (__m256)bh, (__m256)ch);
+    v16 r;
+    memcpy(&r, &rl, 32); memcpy((char *)&r + 32, &rh, 32);
+    return r;
+#else
+    v16 r;
+    for (int i = 0; i < 16; i++) r[i] = __builtin_fmaf(a[i], b[i], c[i]);
+    return r;
+#endif
+}
+
+/* bytes → floats in two widening steps (a direct u8→f32 conversion is scalarized by GCC) */
+static inline v16 u8_to_f(u8x16 q) { return __builtin_convertvector(__builtin_convertvector(q, i32x16), v16); }
+static inline v16 i8_to_f(i8x16 q) { /* via unsigned: GCC scalarizes a signed widening */
+    u8x16 u = (u8x16)q ^ 0x80;
+    return __builtin_convertvector(__builtin_convertvector(u, i32x16) - 128, v16);
+}
+
+static inline v16 ld16(const float *p) { v16 r; memcpy(&r, p, sizeof r); return r; }
+static inline v16 splat16(float f) { return (v16){f, f, f, f, f, f, f, f, f, f, f, f, f, f, f, f}; }
+static inline float hsum16(v16 a) {
+    v8 lo, hi;
+    memcpy(&lo, &a, sizeof lo);
+    memcpy(&hi, (const char *)&a + sizeof lo, sizeof hi);
+    return hsum8(lo + hi);
+}
+
+/* Dequantize block g of row `row` into two 16-lane halves (elements 0..15, 16..31), exactly
+ * as kernels/linear.py does: q4 w = d*q + m, q8 w = d*q, f32 as stored. */
 static inline void load_block(int fmt, const void *wq, const float *scale, const float *minv,
-                              int64_t K, int64_t row, int64_t g, float *w) {
+                              int64_t K, int64_t row, int64_t g, v16 *w0, v16 *w1) {
     int64_t nb = K / QB;
-    if (fmt == 0) { /* f32 */
-        memcpy(w, (const float *)wq + row * K + g * QB, QB * sizeof(float));
-    } else if (fmt == 1) { /* q4: w = d*q + m */
-        const uint8_t *qs = (const uint8_t *)wq + row * (K / 2) + g * (QB / 2);
-        float d = scale[row * nb + g], m = minv[row * nb + g];
-        for (int j = 0; j < 16; j++) {
-            float lo = d * (float)(qs[j] & 15), hi = d * (float)(qs[j] >> 4);
-            w[j] = lo + m;
-            w[j + 16] = hi + m;
-        }
-    } else { /* q8: w = d*q */
-        const int8_t *qs = (const int8_t *)wq + row * K + g * QB;
-        float d = scale[row * nb + g];
-        for (int j = 0; j < QB; j++) w[j] = d * (float)qs[j];
+    if (fmt == 0) {
+        const float *p = (const float *)wq + row * K + g * QB;
+        *w0 = ld16(p);
+        *w1 = ld16(p + 16);
+    } else if (fmt == 1) {
+        u8x16 q;
+        memcpy(&q, (const uint8_t *)wq + row * (K / 2) + g * (QB / 2), sizeof q);
+        v16 d = splat16(scale[row * nb + g]), m = splat16(minv[row * nb + g]);
+        *w0 = d * u8_to_f(q & 15) + m;
+        *w1 = d * u8_to_f(q >> 4) + m;
+    } else {
+        i8x16 q0, q1;
+        const int8_t *p = (const int8_t *)wq + row * K + g * QB;
+        memcpy(&q0, p, sizeof q0);
+        memcpy(&q1, p + 16, sizeof q1);
+        v16 d = splat16(scale[row * nb + g]);
+        *w0 = d * i8_to_f(q0);
+        *w1 = d * i8_to_f(q1);
     }
 }
 
-/* y[b, n] = sum_k x[b, k] * W[n, k]; x [B, K] f32, y [B, N] f32.
- * fmt 0: W f32 [N, K] (K % 8 == 0); 1: q4 (K % 32 == 0); 2: q8 (K % 32 == 0). */
-void fs_linear(int fmt, const float *x, int64_t B, int64_t K, const void *wq, const float *scale,
-               const float *minv, int64_t N, float *y, int nthreads) {
-    int64_t ntiles = (N + TR - 1) / TR;
-    int64_t kblocks = (K + QB - 1) / QB; /* f32 may end on a partial (multiple-of-8) block */
-#pragma omp parallel num_threads(nthreads_or_default(nthreads))
-    {
-        v8 *acc = (v8 *)aligned_alloc(32, sizeof(v8) * BCHUNK * TR);
-        float w[TR][QB] __attribute__((aligned(32)));
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < ntiles; t++) {
-            int64_t rows[TR];
-            for (int r = 0; r < TR; r++) rows[r] = t * TR + r < N ? t * TR + r : N - 1;
-            for (int64_t b0 = 0; b0 < B; b0 += BCHUNK) {
-                int64_t nbat = B - b0 < BCHUNK ? B - b0 : BCHUNK;
-                memset(acc, 0, sizeof(v8) * BCHUNK * TR);
-                for (int64_t g = 0; g < kblocks; g++) {
-                    int64_t klen = K - g * QB < QB ? K - g * QB : QB;
-                    if (fmt == 0 && klen < QB) {
-                        for (int r = 0; r < TR; r++)
-                            memcpy(w[r], (const float *)wq + rows[r] * K + g * QB, klen * sizeof(float));
-                    } else {
-                        for (int r = 0; r < TR; r++) load_block(fmt, wq, scale, minv, K, rows[r], g, w[r]);
-                    }
-                    for (int64_t b = 0; b < nbat; b++) {
-                        const float *xb = x + (b0 + b) * K + g * QB;
-                        for (int r = 0; r < TR; r++) {
-                            v8 a = acc[b * TR + r];
-                            for (int c = 0; c < klen; c += 8) a = a + ld8(w[r] + c) * ld8(xb + c);
-                            acc[b * TR + r] = a;
-                        }
-                    }
-                }
-                for (int64_t b = 0; b < nbat; b++)
-                    for (int r = 0; r < TR; r++)
-                        if (t * TR + r < N) y[(b0 + b) * N + t * TR + r] = hsum8(acc[b * TR + r]);
+/* One tile: TR weight rows × NB batch rows, accumulators held in registers across all K.
+ * Accumulator (b, r) sees exactly: for g in 0..K/32: a = fma(w0, x0, a); a = fma(w1, x1, a),
+ * whatever NB is; so how rows are grouped changes no bit of any result. */
+static inline __attribute__((always_inline)) void tile_rows(
+    int NB, int fmt, const float *restrict x, int64_t K, const void *restrict wq,
+    const float *restrict scale, const float *restrict minv, const int64_t *rows, int64_t nvalid,
+    int64_t N, int64_t b0, float *restrict y, int64_t col0) {
+    v16 acc[4][TR];
+    for (int b = 0; b < NB; b++)
+        for (int r = 0; r < TR; r++) acc[b][r] = splat16(0.0f);
+    for (int64_t g = 0; g < K / QB; g++) {
+        v16 w0[TR], w1[TR];
+        for (int r = 0; r < TR; r++) load_block(fmt, wq, scale, minv, K, rows[r], g, &w0[r], &w1[r]);
+        for (int b = 0; b < NB; b++) {
+            const float *xb = x + (b0 + b) * K + g * QB;
+            v16 x0 = ld16(xb), x1 = ld16(xb + 16);
+            for (int r = 0; r < TR; r++) {
+                acc[b][r] = fma16(w0[r], x0, acc[b][r]);
+                acc[b][r] = fma16(w1[r], x1, acc[b][r]);
             }
         }
-        free(acc);
     }
+    for (int b = 0; b < NB; b++)
+        for (int r = 0; r < nvalid; r++) y[(b0 + b) * N + col0 + r] = hsum16(acc[b][r]);
+}
+
+/* y[b, n] = sum_k x[b, k] * W[n, k]; x [B, K] f32, y [B, N] f32, K % 32 == 0.
+ * fmt 0: W f32 [N, K]; 1: q4; 2: q8. Lane l of one 16-lane accumulator sums, in increasing k,
+ * the products of elements k = l (mod 16) (fused multiply-add); lanes combine by hsum16. */
+struct linear_args {
+    int fmt;
+    const float *x;
+    int64_t B, K;
+    const void *wq;
+    const float *scale, *minv;
+    int64_t N;
+    float *y;
+};
+
+static void linear_range(void *ctx, int64_t t0, int64_t t1) {
+    const struct linear_args *a = ctx;
+    int fmt = a->fmt;
+    const float *x = a->x, *scale = a->scale, *minv = a->minv;
+    const void *wq = a->wq;
+    int64_t B = a->B, K = a->K, N = a->N;
+    float *y = a->y;
+    for (int64_t t = t0; t < t1; t++) {
+        int64_t rows[TR];
+        for (int r = 0; r < TR; r++) rows[r] = t * TR + r < N ? t * TR + r : N - 1;
+        int64_t nvalid = N - t * TR < TR ? N - t * TR : TR;
+        int64_t b = 0;
+#define TILE(NB, F) tile_rows(NB, F, x, K, wq, scale, minv, rows, nvalid, N, b, y, t * TR)
+#define BY_FORMAT(NB) switch (fmt) { case 0: TILE(NB, 0); break; case 1: TILE(NB, 1); break; default: TILE(NB, 2); }
+        for (; b + 4 <= B; b += 4) BY_FORMAT(4)
+        for (; b < B; b++) BY_FORMAT(1)
+#undef BY_FORMAT
+#undef TILE
+    }
+}
+
+void fs_linear(int fmt, const float *x, int64_t B, int64_t K, const void *wq, const float *scale,
+               const float *minv, int64_t N, float *y, int nthreads) {
+    struct linear_args a = {fmt, x, B, K, wq, scale, minv, N, y};
+    parallel_for(linear_range, &a, (N + TR - 1) / TR, nthreads);
 }
 
 /* y[r] = x[r] * (1/sqrt(mean(x[r]^2) + eps)) * w ; x, y [R, K], w [K], K % 8 == 0. */
-void fs_rms_norm(const float *x, const float *w, int64_t R, int64_t K, float eps, float *y, int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(nthreads_or_default(nthreads))
-    for (int64_t r = 0; r < R; r++) {
+struct rows_args {
+    const float *x, *w, *u;
+    int64_t K, gstride, ustride;
+    float eps;
+    float *y;
+};
+
+static void rms_norm_range(void *ctx, int64_t r0, int64_t r1) {
+    const struct rows_args *a = ctx;
+    const float *x = a->x, *w = a->w;
+    int64_t K = a->K;
+    float eps = a->eps, *y = a->y;
+    for (int64_t r = r0; r < r1; r++) {
         const float *xr = x + r * K;
         v8 a = {0};
         for (int64_t k = 0; k < K; k += 8) { v8 v = ld8(xr + k); a = a + v * v; }
@@ -107,21 +263,34 @@ void fs_rms_norm(const float *x, const float *w, int64_t R, int64_t K, float eps
     }
 }
 
+void fs_rms_norm(const float *x, const float *w, int64_t R, int64_t K, float eps, float *y, int nthreads) {
+    struct rows_args a = {.x = x, .w = w, .K = K, .eps = eps, .y = y};
+    parallel_for(rms_norm_range, &a, R, nthreads);
+}
+
 /* out[i] = silu(g[i]) * u[i] for R rows of width K (g and u may be row-strided views). */
-void fs_silu_mul(const float *g, const float *u, int64_t R, int64_t K, int64_t gstride,
-                 int64_t ustride, float *out, int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(nthreads_or_default(nthreads))
-    for (int64_t r = 0; r < R; r++)
-        for (int64_t k = 0; k < K; k++) {
-            float gv = g[r * gstride + k];
-            out[r * K + k] = (gv / (1.0f + expf(-gv))) * u[r * ustride + k];
+static void silu_mul_range(void *ctx, int64_t r0, int64_t r1) {
+    const struct rows_args *a = ctx;
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t k = 0; k < a->K; k++) {
+            float gv = a->x[r * a->gstride + k];
+            a->y[r * a->K + k] = (gv / (1.0f + expf(-gv))) * a->u[r * a->ustride + k];
         }
 }
 
+void fs_silu_mul(const float *g, const float *u, int64_t R, int64_t K, int64_t gstride,
+                 int64_t ustride, float *out, int nthreads) {
+    struct rows_args a = {.x = g, .u = u, .K = K, .gstride = gstride, .ustride = ustride, .y = out};
+    parallel_for(silu_mul_range, &a, R, nthreads);
+}
+
 /* Row softmax: y[r] = exp(x[r] - max) / sum, sequential sum; x, y [R, K]. */
-void fs_softmax(const float *x, int64_t R, int64_t K, float *y, int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(nthreads_or_default(nthreads))
-    for (int64_t r = 0; r < R; r++) {
+static void softmax_range(void *ctx, int64_t r0, int64_t r1) {
+    const struct rows_args *a = ctx;
+    const float *x = a->x;
+    int64_t K = a->K;
+    float *y = a->y;
+    for (int64_t r = r0; r < r1; r++) {
         const float *xr = x + r * K;
         float mx = -INFINITY, s = 0.0f;
         for (int64_t k = 0; k < K; k++) mx = xr[k] > mx ? xr[k] : mx;
@@ -130,23 +299,36 @@ void fs_softmax(const float *x, int64_t R, int64_t K, float *y, int nthreads) {
     }
 }
 
+void fs_softmax(const float *x, int64_t R, int64_t K, float *y, int nthreads) {
+    struct rows_args a = {.x = x, .K = K, .y = y};
+    parallel_for(softmax_range, &a, R, nthreads);
+}
+
 /* Causal paged attention, one query token at a time.
  * q [T, H, D]; caches [num_blocks, BS, KVH, D]; block_tables [S, MB] int32;
  * tok_row[t] = the block-table row of token t's stream; ctx[t] = keys visible to token t
  * (its position + 1, all already written to the cache). out [T, H, D].
  * For each (t, h): two passes over the keys in increasing position, exp-sum sequential. */
-void fs_paged_attention(const float *q, int64_t T, int64_t H, int64_t KVH, int64_t D,
-                        const float *kc, const float *vc, int64_t BS, const int32_t *block_tables,
-                        int64_t MB, const int32_t *tok_row, const int32_t *ctx, float scale,
-                        float *out, int nthreads) {
+struct attn_args {
+    const float *q, *kc, *vc;
+    int64_t H, KVH, D, BS, MB;
+    const int32_t *block_tables, *tok_row, *ctx;
+    float scale;
+    float *out;
+};
+
+static void attention_range(void *ctxp, int64_t th0, int64_t th1) {
+    const struct attn_args *a = ctxp;
+    const float *q = a->q, *kc = a->kc, *vc = a->vc;
+    int64_t H = a->H, KVH = a->KVH, D = a->D, BS = a->BS, MB = a->MB;
+    const int32_t *block_tables = a->block_tables, *tok_row = a->tok_row, *ctx = a->ctx;
+    float scale = a->scale, *out = a->out;
     int64_t group = H / KVH, nv = D / 8;
-#pragma omp parallel num_threads(nthreads_or_default(nthreads))
     {
         int64_t cap = 0;
         float *s = NULL;
         v8 *acc = (v8 *)aligned_alloc(32, sizeof(v8) * (nv > 0 ? nv : 1));
-#pragma omp for schedule(static)
-        for (int64_t th = 0; th < T * H; th++) {
+        for (int64_t th = th0; th < th1; th++) {
             int64_t t = th / H, h = th % H, kvh = h / group, n = ctx[t];
             const int32_t *bt = block_tables + (int64_t)tok_row[t] * MB;
             const float *qv = q + (t * H + h) * D;
@@ -175,4 +357,12 @@ void fs_paged_attention(const float *q, int64_t T, int64_t H, int64_t KVH, int64
         free(s);
         free(acc);
     }
+}
+
+void fs_paged_attention(const float *q, int64_t T, int64_t H, int64_t KVH, int64_t D,
+                        const float *kc, const float *vc, int64_t BS, const int32_t *block_tables,
+                        int64_t MB, const int32_t *tok_row, const int32_t *ctx, float scale,
+                        float *out, int nthreads) {
+    struct attn_args a = {q, kc, vc, H, KVH, D, BS, MB, block_tables, tok_row, ctx, scale, out};
+    parallel_for(attention_range, &a, T * H, nthreads);
 }
