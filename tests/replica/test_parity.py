@@ -31,8 +31,17 @@ def engine():
 def hf_gguf():
     transformers = pytest.importorskip("transformers")
     path = embedded_gguf_path()
-    return transformers.AutoModelForCausalLM.from_pretrained(
+    model = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    _never_stop(model)
+    return model
+
+
+def _never_stop(hf) -> None:
+    """Make transformers generate a fixed number of tokens with EOS as an ordinary token — what
+    our ignore_eos does (min_new_tokens would instead forbid EOS and change the argmax)."""
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
 
 
 def test_embedded_gguf_greedy_matches_transformers(engine, hf_gguf):
@@ -42,8 +51,7 @@ def test_embedded_gguf_greedy_matches_transformers(engine, hf_gguf):
     ours = engine.generate([Request(prompt_token_ids=tuple(i), params=params) for i in ids])
     for prompt_ids, out in zip(ids, ours):
         with torch.inference_mode():
-            ref = hf_gguf.generate(torch.tensor([prompt_ids]), max_new_tokens=40, min_new_tokens=40,
-                                   do_sample=False, attention_mask=torch.ones(1, len(prompt_ids),
+            ref = hf_gguf.generate(torch.tensor([prompt_ids]), max_new_tokens=40, do_sample=False, attention_mask=torch.ones(1, len(prompt_ids),
                                                                               dtype=torch.long))
         assert out.token_ids == ref[0, len(prompt_ids):].tolist()
 
@@ -76,6 +84,7 @@ def test_tiny_models_match_transformers(builder, tmp_path):
     ids = torch.randint(3, loaded.config.vocab_size, (37,), generator=g).tolist()
     ours = all_logits(model, ids)
     hf = tiny.model.float().eval()
+    _never_stop(hf)
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0]
     err = (ours - ref).abs().max() / ref.abs().max()
@@ -86,6 +95,5 @@ def test_tiny_models_match_transformers(builder, tmp_path):
                                   params=SamplingParams(max_tokens=16, temperature=0.0,
                                                         ignore_eos=True))])[0]
     with torch.inference_mode():
-        gen = hf.generate(torch.tensor([ids[:9]]), max_new_tokens=16, min_new_tokens=16,
-                          do_sample=False, attention_mask=torch.ones(1, 9, dtype=torch.long))
+        gen = hf.generate(torch.tensor([ids[:9]]), max_new_tokens=16, do_sample=False, attention_mask=torch.ones(1, 9, dtype=torch.long))
     assert out.token_ids == gen[0, 9:].tolist()
