@@ -11,6 +11,8 @@ import torch
 from replica import (ContextLengthError, Engine, EngineConfig, InvalidRequestError,
                      ModelFormatError, Request, SamplingParams, UnknownModelError)
 
+pytestmark = pytest.mark.slow
+
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 SEEDED = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=40, seed=1234)
 

@@ -16,6 +16,10 @@ from tests.replica.schedules import StreamSpec, run_schedule, run_solo, small_co
 
 @functools.lru_cache(maxsize=None)
 def loaded(preset: str):
+    if preset == "smollm2-135m":
+        from replica.models.registry import resolve_model
+
+        return resolve_model(preset)
     return synthetic_model(preset, seed=7)
 
 
@@ -88,3 +92,15 @@ def test_preemption_happens_and_is_harmless():
     assert core.scheduler.num_preemptions > 0
     for i, spec in enumerate(specs):
         assert (tuple(got[i]), tuple(logits[i])) == solo("tiny-llama", spec)
+
+
+@pytest.mark.slow
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
+@given(specs=st.lists(stream_specs(49152), min_size=12, max_size=12),
+       max_batch_tokens=st.integers(8, 64))
+def test_random_schedules_real_model(specs, max_batch_tokens):
+    """The embedded SmolLM2 under random schedules: logits bits equal to solo runs."""
+    specs = [StreamSpec(s.prompt[:16], min(s.max_tokens, 6), s.temperature, s.top_p, s.top_k,
+                        s.seed, s.arrival, s.cancel_after) for s in specs]
+    check("smollm2-135m", specs, num_kv_blocks=96, max_batch_tokens=max_batch_tokens,
+          max_running_streams=12)

@@ -12,6 +12,8 @@ from replica.models.transformer import Transformer
 from tests.replica import tiny_models
 from tests.replica.reference import all_logits
 
+pytestmark = pytest.mark.slow
+
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
