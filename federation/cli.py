@@ -30,6 +30,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--model", default="smollm2-135m")
 
+    u = sub.add_parser("up", help="start Ray locally and serve the federation over HTTP")
+    u.add_argument("--replicas", type=int, default=1)
+    u.add_argument("--model", default="smollm2-135m")
+    u.add_argument("--host", default="127.0.0.1")
+    u.add_argument("--port", type=int, default=8000)
+    u.add_argument("--max-running-streams", type=int, default=32,
+                   help="per replica; 1 = the serialized-decode mode")
+    u.add_argument("--policy", choices=["sticky", "round_robin"], default="sticky")
+
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     be = bsub.add_parser("engine", help="engine tok/s and TTFT per concurrency")
@@ -65,6 +74,22 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_up(args) -> int:
+    from pydantic import ValidationError
+
+    from federation.config import FederationConfig
+    from federation.launch import serve_until_signal
+
+    try:
+        cfg = FederationConfig(model=args.model, num_replicas=args.replicas,
+                               max_running_streams=args.max_running_streams,
+                               router_policy=args.policy, one_replica_per_node=False)
+    except ValidationError as e:
+        print(f"error: {e.errors()[0]['loc'][0]}: {e.errors()[0]['msg']}", file=sys.stderr)
+        return 2
+    return serve_until_signal(cfg, args.host, args.port)
+
+
 def cmd_bench_engine(args) -> int:
     from replica import bench
 
@@ -77,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "generate":
         return cmd_generate(args)
+    if args.command == "up":
+        return cmd_up(args)
     if args.command == "bench" and args.bench == "engine":
         return cmd_bench_engine(args)
     return 2

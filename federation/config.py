@@ -1,0 +1,42 @@
+"""The federation's one configuration model; the Serve config YAML (cluster/*.yaml) feeds it
+through `build_app(args)`, and `fedserve up` builds it from flags."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class FederationConfig(BaseModel):
+    """How the federation is laid out and how it admits and routes requests."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = "smollm2-135m"
+    served_model_name: str | None = None  # the name clients use (default: `model`)
+    num_replicas: int = Field(2, ge=1)
+    one_replica_per_node: bool = True  # max_replicas_per_node=1 (off for one-node tests/`up`)
+    replica_num_cpus: float = Field(0.5, gt=0)
+    replica_num_gpus: float = Field(0, ge=0)
+    ingress_num_cpus: float = Field(0.1, gt=0)
+    device: str = "cpu"
+    max_running_streams: int = Field(32, ge=1)  # per replica; 1 = serialized-decode mode
+    max_batch_tokens: int = Field(256, ge=1)
+    kv_cache_bytes: int = Field(1 << 29, gt=0)
+    max_queued_requests: int = Field(64, ge=0)  # beyond capacity; then 429
+    router_policy: Literal["sticky", "round_robin"] = "sticky"
+    max_failovers: int = Field(3, ge=0)  # resubmissions of one request after replica deaths
+    retry_after_s: int = Field(1, ge=1)
+    max_body_bytes: int = Field(4 << 20, ge=1024)
+    routing_stats_period_s: float = Field(1.0, gt=0)
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model
+
+    def engine_kwargs(self) -> dict:
+        """EngineConfig fields for each replica."""
+        return {"model": self.model, "device": self.device,
+                "max_running_streams": self.max_running_streams,
+                "max_batch_tokens": self.max_batch_tokens, "kv_cache_bytes": self.kv_cache_bytes}

@@ -1,0 +1,226 @@
+"""The OpenAI-compatible ingress: validation, session key, admission, and failover by replay.
+
+Failover: the ingress remembers the token ids it has streamed; if the replica dies, it resubmits
+the request with them as resume_token_ids to another replica, which re-prefills and continues.
+Decode is batch-invariant, so the client receives exactly the bytes of an uninterrupted run.
+"""
+
+
+import asyncio
+import json
+from typing import AsyncIterator
+
+import ray
+from ray import serve
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from federation import openai_api as api
+from federation.config import FederationConfig
+
+app = FastAPI(title="fedserve", docs_url=None, redoc_url=None)
+
+# a replica died or vanished under the request: retry elsewhere
+_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
+         ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError)
+
+
+class _ReplicaLost(Exception):
+    pass
+
+
+@app.exception_handler(api.APIError)
+async def _api_error(_: Request, e: api.APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+    message, param = api.validation_message(e.errors())
+    return JSONResponse(api.APIError(400, message, param=param).body(), status_code=400)
+
+
+@serve.ingress(app)  # at import, so every process that unpickles the class sees the same routes
+class Ingress:
+    """FastAPI ingress deployment body."""
+
+    def __init__(self, replicas, config: dict) -> None:
+        from ray.serve.metrics import Counter
+
+        self.cfg = FederationConfig(**config)
+        self.replicas = replicas
+        self.active = 0
+        self.capacity = self.cfg.num_replicas * self.cfg.max_running_streams + self.cfg.max_queued_requests
+        self.failovers = Counter("fedserve_failovers", description="Streams resubmitted after a replica died")
+        self.replayed = Counter("fedserve_replayed_tokens", description="Tokens replayed on failover")
+
+    # ---- routes -------------------------------------------------------------------------
+    @app.post("/v1/chat/completions")
+    async def chat(self, request: Request):
+        body = await self._body(request, api.ChatRequest)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        payload = {"messages": body.engine_messages(), "params": body.params(max_tokens)}
+        return await self._run(request, body, payload, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        body = await self._body(request, api.CompletionRequest)
+        key = "prompt_token_ids" if isinstance(body.prompt, list) else "prompt"
+        payload = {key: body.prompt, "params": body.params(body.max_tokens or 16)}
+        return await self._run(request, body, payload, chat=False)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(self, request: Request):
+        body = await self._body(request, api.EmbeddingRequest)
+        try:
+            texts = body.texts()
+        except ValueError as e:
+            raise api.APIError(400, str(e), param="input")
+        self._admit()
+        out = await self.replicas.embed.remote(texts)
+        if "error" in out:
+            raise api.APIError.from_event(out["error"])
+        data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(out["vectors"])]
+        return JSONResponse({"object": "list", "data": data, "model": self.cfg.name,
+                             "usage": {"prompt_tokens": out["prompt_tokens"],
+                                       "total_tokens": out["prompt_tokens"]}},
+                            headers={"X-Session-ID": "", "X-Fedserve-Replica": out["replica"]})
+
+    @app.get("/v1/models")
+    async def models(self):
+        return {"object": "list", "data": [{"id": self.cfg.name, "object": "model",
+                                            "created": 0, "owned_by": "fedserve"}]}
+
+    @app.get("/health")
+    async def health(self):
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(self):
+        try:
+            info = await asyncio.wait_for(self.replicas.info.remote(), timeout=5)
+        except Exception as e:  # noqa: BLE001 - readiness reports any failure
+            return JSONResponse({"status": "not ready", "reason": type(e).__name__}, status_code=503)
+        return {"status": "ready", "model": info["model"]}
+
+    # ---- plumbing -----------------------------------------------------------------------
+    async def _body(self, request: Request, model_cls):
+        raw = await request.body()
+        if len(raw) > self.cfg.max_body_bytes:
+            raise api.APIError(413, f"request body of {len(raw)} bytes exceeds the limit of "
+                               f"{self.cfg.max_body_bytes}", code="body_too_large")
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise api.APIError(400, f"the body is not valid JSON: {e}", code="invalid_json")
+        if not isinstance(data, dict):
+            raise api.APIError(400, "the body must be a JSON object", code="invalid_json")
+        try:
+            body = model_cls.model_validate(data)
+        except ValidationError as e:
+            message, param = api.validation_message(e.errors())
+            raise api.APIError(400, message, param=param)
+        if body.model != self.cfg.name:
+            raise api.APIError(404, f"the model {body.model!r} does not exist; this federation "
+                               f"serves {self.cfg.name!r}", param="model", code="model_not_found")
+        return body
+
+    def _admit(self) -> None:
+        if self.active >= self.capacity:
+            raise api.APIError(429, "all replicas are busy and the queue is full; retry later",
+                               type_="rate_limit_exceeded", code="overloaded",
+                               headers={"Retry-After": str(self.cfg.retry_after_s)})
+
+    def _session(self, request: Request, body) -> str:
+        return request.headers.get("x-session-id") or body.session_id or body.session_key()
+
+    async def _events(self, payload: dict) -> AsyncIterator[dict]:
+        """The request's events across failovers. Raises APIError on a request error."""
+        emitted: list[int] = []
+        dead: list[str] = []
+        base_id = payload["request_id"]
+        for attempt in range(self.cfg.max_failovers + 1):
+            payload = {**payload, "resume_token_ids": list(emitted), "avoid": list(dead),
+                       "request_id": f"{base_id}-{attempt}"}
+            last = None
+            gen = self.replicas.options(stream=True).generate.remote(payload)
+            try:
+                async for ev in gen:
+                    if "error" in ev:
+                        raise api.APIError.from_event(ev["error"])
+                    last = ev["replica"]
+                    emitted += ev["token_ids"]
+                    yield ev
+                    if ev["finished"]:
+                        return
+                raise _ReplicaLost("the replica's stream ended early")
+            except (_ReplicaLost, *_LOST) as e:
+                if last is not None:
+                    dead.append(last)
+                if attempt == self.cfg.max_failovers:
+                    raise api.APIError(503, f"no replica could finish the stream after "
+                                       f"{attempt + 1} attempts ({type(e).__name__})",
+                                       type_="server_error", code="replicas_unavailable")
+                self.failovers.inc()
+                self.replayed.inc(len(emitted))
+                await asyncio.sleep(0.2 * (attempt + 1))
+
+    async def _run(self, request: Request, body, payload: dict, chat: bool):
+        self._admit()
+        session = self._session(request, body)
+        payload.update(session_key=session, request_id=api.new_id("req"))
+        rid = api.new_id("chatcmpl" if chat else "cmpl")
+        model = self.cfg.name
+        events = self._events(payload)
+        self.active += 1
+        try:
+            first = await anext(events)  # errors before any token become plain HTTP errors
+        except BaseException:
+            self.active -= 1
+            await events.aclose()
+            raise
+        headers = {"X-Session-ID": session, "X-Fedserve-Replica": first["replica"]}
+        if body.stream:
+            return StreamingResponse(self._sse(events, first, rid, model, chat, body.include_usage),
+                                     media_type="text/event-stream", headers=headers)
+        try:
+            text, last = first["text"], first
+            async for ev in events:
+                text += ev["text"]
+                last = ev
+        finally:
+            self.active -= 1
+            await events.aclose()
+        headers["X-Fedserve-Replica"] = last["replica"]
+        use = api.usage(last["prompt_tokens"], last["completion_tokens"], last["cached_tokens"])
+        build = api.chat_response if chat else api.completion_response
+        return JSONResponse(build(rid, model, text, last["finish_reason"], use), headers=headers)
+
+    async def _sse(self, events, first: dict, rid: str, model: str, chat: bool,
+                   include_usage: bool) -> AsyncIterator[str]:
+        """SSE frames; a client disconnect cancels this generator, which aborts the stream."""
+        chunk = api.chat_chunk if chat else api.completion_chunk
+        try:
+            if chat:
+                yield api.chat_chunk(rid, model, {"role": "assistant", "content": ""})
+            ev = first
+            while True:
+                reason = ev["finish_reason"] if ev["finished"] else None
+                if ev["text"] or reason:
+                    yield (chunk(rid, model, {"content": ev["text"]} if ev["text"] else {}, reason)
+                           if chat else chunk(rid, model, ev["text"], reason))
+                if ev["finished"]:
+                    if include_usage:
+                        use = api.usage(ev["prompt_tokens"], ev["completion_tokens"], ev["cached_tokens"])
+                        yield (chunk(rid, model, {}, None, use, choices=False) if chat
+                               else chunk(rid, model, "", None, use, choices=False))
+                    break
+                ev = await anext(events)
+        except api.APIError as e:
+            yield api.error_chunk(e)
+        finally:
+            self.active -= 1
+            await events.aclose()
+        yield api.DONE

@@ -1,0 +1,58 @@
+"""Start the federation locally: Ray on 127.0.0.1, Serve HTTP on the given host/port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+from federation.config import FederationConfig
+
+
+def start(cfg: FederationConfig, host: str = "127.0.0.1", port: int = 8000,
+          num_cpus: int | None = None) -> str:
+    """Init Ray (local, loopback only), deploy the app, return the base URL."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+    from ray import serve
+
+    from federation.app import build_app
+
+    if not ray.is_initialized():
+        # replicas take fractional CPUs; advertise enough logical CPUs for all of them
+        cpus = num_cpus or max(os.cpu_count() or 1,
+                               int(cfg.num_replicas * cfg.replica_num_cpus + cfg.ingress_num_cpus) + 1)
+        ray.init(num_cpus=cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build_app(cfg), name="fedserve", route_prefix="/", blocking=False)
+    return f"http://{host}:{port}"
+
+
+def stop() -> None:
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def serve_until_signal(cfg: FederationConfig, host: str, port: int) -> int:
+    """`fedserve up`: deploy, print how to call it, serve until SIGINT/SIGTERM, shut down."""
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    url = start(cfg, host, port)
+    try:
+        print(f"fedserve is serving {cfg.name!r} with {cfg.num_replicas} replica(s) at {url}/v1",
+              flush=True)
+        print(f"""try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{cfg.name}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'""",
+              flush=True)
+        done.wait()
+        print("shutting down", flush=True)
+    finally:
+        stop()
+    return 0

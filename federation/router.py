@@ -1,0 +1,117 @@
+"""Request routers for the replica deployment (Ray Serve RequestRouter subclasses).
+
+StickyRouter: a session goes to the replica that holds its KV (the directory says which, or a
+replica's reported resident_sessions); a new session goes to the least-loaded replica (active +
+waiting streams, counting requests this router has in flight, then most free KV blocks); when a
+session's replica is gone it is re-pinned by load. RoundRobinRouter: the plain baseline.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from federation.directory import directory_actor
+
+
+def _payload(request: PendingRequest | None) -> dict:
+    if request is None or not request.args or not isinstance(request.args[0], dict):
+        return {}
+    return request.args[0]
+
+
+def _usable(candidates: list[RunningReplica], request: PendingRequest | None) -> list[RunningReplica]:
+    """Candidates minus the replicas a failover asks to avoid (unless none would remain)."""
+    avoid = set(_payload(request).get("avoid", ()))
+    kept = [r for r in candidates if r.replica_id.unique_id not in avoid]
+    return kept or candidates
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        from ray.serve.metrics import Counter as MetricCounter
+
+        self.placements = MetricCounter("fedserve_router_placements",
+                                        description="Sessions placed, by reason",
+                                        tag_keys=("reason",))
+
+    def placed(self, reason: str) -> None:
+        self.placements.inc(tags={"reason": reason})
+
+
+class StickyRouter(RequestRouter):
+    """Sticky by residency, then least-loaded."""
+
+    def initialize_state(self, **kwargs) -> None:
+        dep = self._deployment_id
+        self._directory = directory_actor(namespace=f"fedserve::{dep.app_name}::{dep.name}")
+        self._inflight: Counter[str] = Counter()  # replica unique id → requests routed, not done
+        self._routed: dict[str, str] = {}  # internal request id → replica unique id
+        self._metrics = _Metrics()
+
+    def _load(self, r: RunningReplica) -> tuple:
+        stats = r.routing_stats or {}
+        busy = stats.get("active_streams", 0) + stats.get("waiting_streams", 0)
+        return (max(busy, self._inflight[r.replica_id.unique_id]),
+                -stats.get("free_kv_blocks", 0), r.replica_id.unique_id)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None,
+                              ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        candidate_replicas = _usable(candidate_replicas, pending_request)
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        ranked = sorted(candidate_replicas, key=self._load)
+        session = _payload(pending_request).get("session_key")
+        if session is None:
+            return [[ranked[0]], ranked[1:]] if len(ranked) > 1 else [ranked]
+        owner = await self._directory.lookup.remote(session)
+        if owner in by_id:
+            chosen, reason = by_id[owner], "sticky"
+        else:
+            holders = [r for r in ranked if session in (r.routing_stats or {}).get("resident_sessions", ())]
+            chosen = holders[0] if holders else ranked[0]
+            reason = "re-pin" if owner is not None else ("sticky" if holders else "new")
+            winner = await self._directory.place.remote(session, chosen.replica_id.unique_id, owner)
+            if winner in by_id:
+                chosen = by_id[winner]
+        self._metrics.placed(reason)
+        rest = [r for r in ranked if r is not chosen]
+        return [[chosen], rest] if rest else [[chosen]]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
+                          result) -> None:
+        rid = replica_id.unique_id
+        self._inflight[rid] += 1
+        self._routed[pending_request.metadata.internal_request_id] = rid
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        rid = self._routed.pop(internal_request_id, replica_id.unique_id)
+        if self._inflight[rid] > 0:
+            self._inflight[rid] -= 1
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._inflight.pop(replica_id.unique_id, None)
+        self._directory.drop_replica.remote(replica_id.unique_id)
+
+
+class RoundRobinRouter(RequestRouter):
+    """Each request to the next replica in turn, ignoring sessions (the comparison baseline)."""
+
+    def initialize_state(self, **kwargs) -> None:
+        self._turn = itertools.count()
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None,
+                              ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        candidate_replicas = _usable(candidate_replicas, pending_request)
+        ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+        i = next(self._turn) % len(ordered)
+        rest = ordered[i + 1:] + ordered[:i]
+        return [[ordered[i]], rest] if rest else [[ordered[i]]]
