@@ -82,7 +82,9 @@ class Ingress:
         out = await self.replicas.embed.remote(texts)
         if "error" in out:
             raise api.APIError.from_event(out["error"])
-        data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(out["vectors"])]
+        data = [{"object": "embedding", "index": i,
+                 "embedding": api.encode_embedding(v, body.encoding_format)}
+                for i, v in enumerate(out["vectors"])]
         return JSONResponse({"object": "list", "data": data, "model": self.cfg.name,
                              "usage": {"prompt_tokens": out["prompt_tokens"],
                                        "total_tokens": out["prompt_tokens"]}},

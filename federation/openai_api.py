@@ -138,13 +138,23 @@ class EmbeddingRequest(BaseModel):
 
     model: str
     input: str | list[str] = Field(min_length=1)
-    encoding_format: Literal["float"] = "float"
+    encoding_format: Literal["float", "base64"] = "float"
 
     def texts(self) -> list[str]:
         texts = [self.input] if isinstance(self.input, str) else self.input
         if any(not t for t in texts):
             raise ValueError("input strings must not be empty")
         return texts
+
+
+def encode_embedding(vector: list[float], encoding_format: str):
+    """float: the list itself; base64: little-endian float32 bytes (what the openai client asks)."""
+    if encoding_format == "float":
+        return vector
+    import base64
+    import struct
+
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
 
 
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:

@@ -1,0 +1,60 @@
+"""A live local federation for tests: real Ray, real Serve, real HTTP on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from contextlib import contextmanager
+
+import httpx
+
+from federation.config import FederationConfig
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{url}/ready", timeout=10).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} not ready after {timeout}s")
+
+
+@contextmanager
+def federation(**overrides):
+    """Deploy a federation on a local Ray; yields (base url, FederationConfig)."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    from federation.launch import start, stop
+
+    cfg = FederationConfig(**{"num_replicas": 2, "one_replica_per_node": False, **overrides})
+    port = free_port()
+    url = start(cfg, "127.0.0.1", port, num_cpus=4)
+    try:
+        wait_ready(url)
+        yield url, cfg
+    finally:
+        stop()
+
+
+def replica_stats(num_replicas: int) -> dict[str, dict]:
+    """Routing stats of every replica, reached one by one through the router's avoid list."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("Replica", app_name="fedserve")
+    seen: dict[str, dict] = {}
+    for _ in range(num_replicas * 4):
+        st = handle.stats.remote({"avoid": list(seen)}).result(timeout_s=30)
+        seen[st["replica"]] = st
+        if len(seen) == num_replicas:
+            break
+    return seen
