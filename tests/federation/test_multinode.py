@@ -1,0 +1,76 @@
+"""Multi-node: a simulated 3-node Ray cluster (ray.cluster_utils.Cluster). One replica lands on
+each worker node; removing a node loses no accepted request and the service keeps answering."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import httpx
+import pytest
+
+from federation.config import FederationConfig
+from tests.federation.live import free_port, wait_ready
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2-135m"
+
+
+def replica_nodes() -> dict[str, str]:
+    from ray.util.state import list_actors
+
+    return {a.name: a.node_id for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+            if a.name and a.name.startswith("SERVE_REPLICA::fedserve#Replica#")}
+
+
+def test_one_replica_per_node_and_node_loss_loses_nothing():
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from federation.launch import start, stop
+
+    # the head has too few CPUs for a replica (ingress 0.1 + replica 1.0 > 1): replicas go to workers
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    workers = [cluster.add_node(num_cpus=1) for _ in range(2)]
+    ray.init(address=cluster.address)
+    cluster.wait_for_nodes()
+    try:
+        cfg = FederationConfig(num_replicas=2, one_replica_per_node=True, replica_num_cpus=1.0,
+                               max_failovers=6)
+        url = start(cfg, "127.0.0.1", free_port())
+        wait_ready(url)
+        nodes = replica_nodes()
+        worker_ids = {w.node_id for w in workers}
+        assert len(nodes) == 2 and set(nodes.values()) == worker_ids, (nodes, worker_ids)
+
+        results: list[int] = []
+        stop_flag = threading.Event()
+
+        def client(i: int) -> None:
+            n = 0
+            while not stop_flag.is_set() and n < 40:
+                body = {"model": MODEL, "max_tokens": 12, "temperature": 0,
+                        "messages": [{"role": "user", "content": f"client {i} request {n}"}]}
+                r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=180)
+                results.append(r.status_code)
+                n += 1
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(4)
+        cluster.remove_node(workers[0])
+        time.sleep(8)
+        stop_flag.set()
+        for t in threads:
+            t.join(timeout=300)
+        assert results and all(s == 200 for s in results), results
+        after = httpx.post(f"{url}/v1/chat/completions", timeout=120,
+                           json={"model": MODEL, "max_tokens": 8, "temperature": 0,
+                                 "messages": [{"role": "user", "content": "still serving?"}]})
+        assert after.status_code == 200
+    finally:
+        stop()
+        cluster.shutdown()
