@@ -48,7 +48,34 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--json", default=None, help="write results to this JSON file")
     be.add_argument("--compare-transformers", action="store_true")
     be.add_argument("--device", default="cpu")
+    bf = bsub.add_parser("federation", help="routing overhead and 1 vs 2 replica throughput")
+    bf.add_argument("--model", default="smollm2-135m")
+    bf.add_argument("--requests", type=int, default=50)
+    bf.add_argument("--streams", type=int, default=8)
+    bf.add_argument("--max-tokens", type=int, default=48)
+    bf.add_argument("--json", default=None)
+
+    # ---- loadtest: scenarios against any OpenAI-compatible URL (code in loadtest/) ----
+    lt = sub.add_parser("loadtest", help="load tests and reproducers (reports: JSON, Markdown, PNG)")
+    ltsub = lt.add_subparsers(dest="loadtest", required=True)
+    for name, help_ in LOADTEST_SCENARIOS.items():
+        _loadtest_module(name).add_args(ltsub.add_parser(name, help=help_))
     return p
+
+
+LOADTEST_SCENARIOS = {
+    "matrix": "crash matrix: sequential/concurrent chats and embeddings",
+    "corruption": "concurrent growing multi-turn sessions vs their solo replay, bitwise",
+    "needle": "needle-in-a-haystack recall by depth and length",
+    "multiturn": "sticky vs round-robin on a multi-turn workload",
+    "capstone": "four concurrent tool-using sub-agents under a deny policy",
+}
+
+
+def _loadtest_module(name: str):
+    import importlib
+
+    return importlib.import_module(f"loadtest.{name}")
 
 
 def cmd_generate(args) -> int:
@@ -104,8 +131,15 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_generate(args)
     if args.command == "up":
         return cmd_up(args)
+    if args.command == "loadtest":
+        return _loadtest_module(args.loadtest).main(args)
     if args.command == "bench" and args.bench == "engine":
         return cmd_bench_engine(args)
+    if args.command == "bench" and args.bench == "federation":
+        from federation import bench
+
+        bench.bench(args.model, args.requests, args.streams, args.max_tokens, args.json)
+        return 0
     return 2
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
+import time
 
 from federation.config import FederationConfig
 
@@ -27,6 +29,27 @@ def start(cfg: FederationConfig, host: str = "127.0.0.1", port: int = 8000,
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(cfg), name="fedserve", route_prefix="/", blocking=False)
     return f"http://{host}:{port}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, timeout: float = 300) -> None:
+    """Poll GET /ready until a replica answers (or raise TimeoutError)."""
+    import httpx
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{url}/ready", timeout=10).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} not ready after {timeout}s")
 
 
 def stop() -> None:

@@ -39,3 +39,36 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
 
 def paged_attention(q, k_cache, v_cache, block_tables, tok_row, ctx_lens, scale: float):
     return _backend(q).paged_attention(q, k_cache, v_cache, block_tables, tok_row, ctx_lens, scale)
+
+
+# ---- weight placement and fused ops (CUDA runs them as one kernel each; CPU keeps the ----------
+# ---- separate ops, so its bits are exactly those of the unfused sequence) ---------------------
+def prepare_linear(lin, device: str):
+    """The Linear on `device`, in the storage that device's kernels read."""
+    return lin.to(device) if device == "cpu" else _gpu().prepare_linear(lin, device)
+
+
+def prepare_experts(experts, device: str):
+    """CUDA: the experts stacked for the grouped MoE kernels; CPU: None (per-expert Linears)."""
+    return None if device == "cpu" else _gpu().prepare_experts(experts, device)
+
+
+def linear_residual(lin, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + x @ W.T."""
+    backend = _backend(x)
+    if backend is cpu:
+        return residual + cpu.linear(lin, x)
+    return backend.linear_residual(lin, x, residual)
+
+
+def qkv_rope_store(qkv, positions, cos, sin, q_norm, k_norm, eps, slots, k_cache, v_cache,
+                   num_heads: int) -> torch.Tensor:
+    """CUDA only: q/k norm + RoPE of fused qkv, K/V written at slots; returns q [T, H, D]."""
+    return _backend(qkv).qkv_rope_store(qkv, positions, cos, sin, q_norm, k_norm, eps, slots, k_cache,
+                                 v_cache, num_heads)
+
+
+def moe(x: torch.Tensor, router, experts, top_k: int, norm_topk_prob: bool,
+        residual: torch.Tensor | None = None) -> torch.Tensor:
+    """CUDA only: (residual +) the top-k mixture of stacked experts (prepare_experts)."""
+    return _backend(x).moe(x, router, experts, top_k, norm_topk_prob, residual)

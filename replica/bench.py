@@ -1,5 +1,9 @@
 """`fedserve bench engine`: decode throughput and TTFT per concurrency, optionally against
-transformers on the same model in the same run. Prints a table and writes JSON."""
+transformers on the same model in the same run. Prints a table and writes JSON.
+
+On CUDA it also prints, per concurrency, ms per engine step, the GPU time of one decode step
+(its CUDA graph replayed alone), the bytes a decode step must move (weights it touches + KV it
+reads) and that as a % of the roofline given by a device copy measured in the same run."""
 
 from __future__ import annotations
 
@@ -32,6 +36,11 @@ class Row:
     seconds: float
     tok_per_s: float
     ttft_ms: float
+    steps: int = 0
+    ms_per_step: float = 0.0  # wall time per engine step (host + device)
+    gpu_ms_per_step: float = 0.0  # one decode step's CUDA graph, replayed alone
+    gb_per_step: float = 0.0  # bytes a decode step must move at this concurrency
+    roofline_pct: float = 0.0  # (gb_per_step / gpu_ms_per_step) / measured copy bandwidth
 
 
 def _prompts(n: int) -> list[str]:
@@ -53,6 +62,7 @@ def bench_fedserve(engine: Engine, streams: int, max_tokens: int) -> Row:
         if ev.finished:
             done.release()
 
+    steps0 = engine.core.steps
     t0 = time.perf_counter()
     for r in reqs:
         engine.submit(r, sink)
@@ -60,7 +70,9 @@ def bench_fedserve(engine: Engine, streams: int, max_tokens: int) -> Row:
         done.acquire()
     dt = time.perf_counter() - t0
     ttft = sum(first.values()) / len(first) - t0
-    return Row("fedserve", streams, tokens[0], dt, tokens[0] / dt, ttft * 1e3)
+    steps = engine.core.steps - steps0
+    return Row("fedserve", streams, tokens[0], dt, tokens[0] / dt, ttft * 1e3, steps,
+               dt / max(steps, 1) * 1e3)
 
 
 def bench_transformers(model_spec: str, streams_list: list[int], max_tokens: int) -> list[Row]:
@@ -96,34 +108,120 @@ def bench_transformers(model_spec: str, streams_list: list[int], max_tokens: int
     return rows
 
 
+def copy_bandwidth(device: str) -> float:
+    """GB/s of a 2 GiB device-to-device copy, bytes read + written (median of 10)."""
+    import torch
+
+    src = torch.empty(1 << 29, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return 2 * src.numel() * 4 / sorted(times[2:])[5] / 1e6
+
+
+def decode_bytes(engine: Engine, streams: int, avg_ctx: float) -> int:
+    """Bytes one decode step of `streams` streams must move: every weight it touches once
+    (experts: the expected number touched under uniform routing) plus the KV it reads."""
+    model, cfg = engine.core.model, engine.model_config
+    total = model.lm_head.nbytes + model.final_norm.numel() * 4
+    for layer in model.layers:
+        vecs = [v for v in (layer.attn_norm, layer.mlp_norm, layer.q_norm, layer.k_norm) if v is not None]
+        total += layer.qkv.nbytes + layer.o.nbytes + sum(v.numel() * 4 for v in vecs)
+        if layer.router is None:
+            total += layer.gate_up.nbytes + layer.down.nbytes
+            continue
+        e, k = cfg.num_experts, cfg.num_experts_per_tok
+        touched = e * (1 - (1 - k / e) ** streams)
+        per_expert = (layer.moe.expert_nbytes() if layer.moe is not None else
+                      layer.experts[0][0].nbytes + layer.experts[0][1].nbytes)
+        total += layer.router.nbytes + int(touched * per_expert)
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * engine.core.kv.k[0].element_size()
+    return int(total + streams * avg_ctx * kv_per_token)
+
+
+def annotate_gpu(engine: Engine, row: Row, max_tokens: int, copy_gbs: float) -> None:
+    """Fill the GPU columns of a fedserve row measured at row.streams concurrent streams."""
+    graphs = engine.core.runner.graphs
+    key = graphs.key_for(row.streams) if graphs is not None else None
+    prompt_len = sum(len(engine.tokenizer.encode(p)) for p in _prompts(row.streams)) / row.streams
+    row.gb_per_step = decode_bytes(engine, row.streams, prompt_len + max_tokens / 2) / 1e9
+    if key is not None and key in graphs.captured:
+        row.gpu_ms_per_step = graphs.time_replay(key)
+        row.roofline_pct = 100 * row.gb_per_step / (row.gpu_ms_per_step / 1e3) / copy_gbs
+
+
 def run(model: str, streams: list[int], max_tokens: int, compare: bool, json_path: str | None,
         engine_kwargs: dict | None = None) -> list[Row]:
     from replica.config import EngineConfig
 
-    engine = Engine(EngineConfig(model=model, **(engine_kwargs or {})))
+    kwargs = dict(engine_kwargs or {})
+    cuda = kwargs.get("device", "cpu") != "cpu"
+    loaded = None
+    if cuda:
+        kwargs.setdefault("kv_cache_bytes", 16 << 30)
+        kwargs.setdefault("max_running_streams", max(64, max(streams)))
+        if model.startswith("synthetic:"):  # drawn on the GPU: seconds, not minutes
+            from replica.models.synthetic import synthetic_model
+
+            loaded = synthetic_model(model.removeprefix("synthetic:"), device=kwargs["device"])
+    engine = Engine(EngineConfig(model=model, **kwargs), loaded=loaded)
+    del loaded  # the engine holds the weights in its own storage
+    copy_gbs = None
     try:
-        bench_fedserve(engine, 1, 4)  # warm-up: kernel build, allocator
-        rows = [bench_fedserve(engine, n, max_tokens) for n in streams]
+        if cuda:
+            copy_gbs = copy_bandwidth(kwargs["device"])
+            for n in streams:  # capture the CUDA graphs each run meets before timing it
+                bench_fedserve(engine, n, max_tokens)
+        else:
+            bench_fedserve(engine, 1, 4)  # warm-up: kernel build, allocator
+        rows = []
+        for n in streams:
+            row = bench_fedserve(engine, n, max_tokens)
+            if cuda:
+                annotate_gpu(engine, row, max_tokens, copy_gbs)
+            rows.append(row)
     finally:
         engine.shutdown()
     if compare:
         rows += bench_transformers(model, streams, max_tokens)
-    print(format_table(rows, synthetic=engine.model_config.synthetic, model=model))
+    print(format_table(rows, synthetic=engine.model_config.synthetic, model=model, copy_gbs=copy_gbs))
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"model": model, "synthetic": engine.model_config.synthetic,
-                       "max_tokens": max_tokens, "rows": [asdict(r) for r in rows]}, f, indent=2)
+                       "max_tokens": max_tokens, "copy_gb_per_s": copy_gbs,
+                       "rows": [asdict(r) for r in rows]}, f, indent=2)
     return rows
 
 
-def format_table(rows: list[Row], synthetic: bool, model: str) -> str:
+def format_table(rows: list[Row], synthetic: bool, model: str, copy_gbs: float | None = None) -> str:
     label = f"{model}{' (SYNTHETIC weights)' if synthetic else ''}"
-    lines = [f"engine benchmark: {label}",
-             f"{'system':<13} {'streams':>7} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'TTFT ms':>8}"]
+    lines = [f"engine benchmark: {label}"]
+    gpu = copy_gbs is not None
+    if gpu:
+        lines.append(f"measured device copy: {copy_gbs:.0f} GB/s (read + write); GB/step = weights "
+                     f"a decode step touches (experts: expected under uniform routing) + KV read; "
+                     f"tok/s and ms/step: whole runs (prefill included); GPU ms/step and decode "
+                     f"tok/s: one decode step's CUDA graph replayed alone")
+    head = f"{'system':<13} {'streams':>7} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'TTFT ms':>8}"
+    if gpu:
+        head += (f" {'ms/step':>8} {'GPU ms/step':>11} {'decode tok/s':>12} {'GB/step':>8} "
+                 f"{'%roofline':>9}")
+    lines.append(head)
     base = {r.streams: r for r in rows if r.system == "transformers"}
     for r in rows:
-        lines.append(f"{r.system:<13} {r.streams:>7} {r.tokens:>7} {r.seconds:>8.2f} "
-                     f"{r.tok_per_s:>8.1f} {r.ttft_ms:>8.0f}")
+        line = (f"{r.system:<13} {r.streams:>7} {r.tokens:>7} {r.seconds:>8.2f} "
+                f"{r.tok_per_s:>8.1f} {r.ttft_ms:>8.0f}")
+        if gpu and r.system == "fedserve":
+            dec = r.streams * 1e3 / r.gpu_ms_per_step if r.gpu_ms_per_step else 0.0
+            line += (f" {r.ms_per_step:>8.2f} {r.gpu_ms_per_step:>11.3f} {dec:>12.0f} "
+                     f"{r.gb_per_step:>8.2f} {r.roofline_pct:>9.1f}")
+        lines.append(line)
     if base:
         lines.append("ratio fedserve/transformers (tok/s): " + ", ".join(
             f"{r.streams}: {r.tok_per_s / base[r.streams].tok_per_s:.2f}x"

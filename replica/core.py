@@ -6,6 +6,7 @@ validated and tokenized by prepare(), which touches no engine state and may run 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -23,6 +24,7 @@ from replica.scheduler import Scheduler
 from replica.stream import Stream
 
 Sink = Callable[[StreamEvent], None]
+log = logging.getLogger("fedserve.engine")
 
 
 @dataclass(eq=False)
@@ -170,8 +172,8 @@ class EngineCore:
         if s.num_computed == s.num_tokens:
             mean = acc.to(torch.float64) / s.num_tokens
             vec = (mean / mean.norm().clamp_min(1e-12)).to(torch.float32)
-            live.sink(StreamEvent(s.request_id, "", (), True, "stop", s.num_tokens, 0, 0,
-                                  embedding=tuple(vec.tolist())))
+            self._deliver(live, StreamEvent(s.request_id, "", (), True, "stop", s.num_tokens, 0, 0,
+                                            embedding=tuple(vec.tolist())))
             self._release(live)
 
     def _finish_reason(self, s: Stream) -> str | None:
@@ -201,8 +203,21 @@ class EngineCore:
         s = live.stream
         new = tuple(s.output_ids[live.sent:])
         live.sent = len(s.output_ids)
-        live.sink(StreamEvent(s.request_id, text, new, finished, reason, len(s.prompt_ids),
-                              s.num_generated, s.num_cached, error=error))
+        self._deliver(live, StreamEvent(s.request_id, text, new, finished, reason,
+                                        len(s.prompt_ids), s.num_generated, s.num_cached,
+                                        error=error))
+
+    def _deliver(self, live: _Live, ev: StreamEvent) -> None:
+        """Hand an event to its sink. A sink that fails (its client is gone) loses its own
+        request, never the step loop or any other stream."""
+        try:
+            live.sink(ev)
+        except Exception:  # noqa: BLE001 - whatever a consumer does wrong stays with it
+            log.warning("dropping request %s: its event sink failed", ev.request_id, exc_info=True)
+            s = live.stream
+            if not s.finished:
+                s.finish_reason = "cancelled"
+                self._release(live)
 
     def _finish(self, live: _Live, reason: str, text: str = "") -> None:
         live.stream.finish_reason = reason

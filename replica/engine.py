@@ -7,6 +7,7 @@ and receive StreamEvents through per-request sinks (thread-safe hand-offs).
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from typing import AsyncIterator, Sequence
@@ -17,6 +18,8 @@ from replica.errors import EngineDeadError, FedserveError
 from replica.models.spec import LoadedModel
 from replica.request import Request, RequestOutput, StreamEvent
 from replica.sampling import SamplingParams
+
+log = logging.getLogger("fedserve.engine")
 
 
 class Engine:
@@ -48,8 +51,21 @@ class Engine:
                     self._stats = core.stats()
         except BaseException as e:  # the loop must never die silently
             self._error = e
-            core.fail_all(EngineDeadError(f"engine loop died: {e!r}"))
+            log.exception("fedserve engine loop died")
+            dead = EngineDeadError(f"engine loop died: {e!r}")
+            core.fail_all(dead)
+            self._fail_pending(dead)
             raise
+
+    def _fail_pending(self, error: EngineDeadError) -> None:
+        """Requests enqueued but never admitted get their final error event too."""
+        while True:
+            try:
+                kind, arg, sink = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                sink(StreamEvent(arg.request_id, "", (), True, "error", error=error))
 
     def _drain(self, block: bool) -> None:
         while True:
@@ -131,7 +147,13 @@ class Engine:
         finished = False
         try:
             while True:
-                ev = await q.get()
+                try:
+                    ev = await asyncio.wait_for(q.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if not self.is_alive:  # never hang on a dead loop
+                        finished = True
+                        raise EngineDeadError(f"engine loop died: {self._error!r}")
+                    continue
                 if ev.error is not None:
                     finished = True
                     raise ev.error

@@ -1,7 +1,14 @@
-"""Turns a StepRecord into a ForwardBatch, runs the model, returns per-chunk outputs."""
+"""Turns a StepRecord into a ForwardBatch, runs the model, returns per-chunk outputs.
+
+On CUDA, decode-only steps replay a CUDA graph of the forward, one per (batch bucket, block-table
+width bucket); other steps run eagerly. Padding rows of a bucket write no KV (slot -1) and read
+none (ctx 0), and every kernel computes a row from that row alone, so a stream's bits are the
+same in any bucket and in the eager path (tests/kernels/test_gpu.py checks it).
+"""
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -9,6 +16,9 @@ import torch
 from replica.kv import KVCache
 from replica.models.transformer import ForwardBatch, Transformer
 from replica.scheduler import StepRecord
+
+GRAPH_BATCHES = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
+MIN_GRAPH_BLOCKS = 16  # block-table width buckets: powers of two from here
 
 
 @dataclass(frozen=True, eq=False)
@@ -22,6 +32,9 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         self.block_size = kv.block_size
+        cuda = torch.device(model.device).type == "cuda"
+        self.graphs = DecodeGraphs(model, kv) if cuda else None
+        self._host: torch.Tensor | None = None  # pinned staging for logits (CUDA)
 
     def build(self, record: StepRecord) -> tuple[ForwardBatch, list[int], list[tuple[int, int, int]]]:
         bs = self.block_size
@@ -65,13 +78,17 @@ class ModelRunner:
         return batch, sample_chunks, hidden_spans
 
     def execute(self, record: StepRecord) -> StepOutput:
+        """Logits are valid until the next execute (on CUDA they sit in a reused pinned buffer)."""
         if not record.chunks:
             return StepOutput({}, {})
+        if self.graphs is not None and self.graphs.accepts(record):
+            logits = self._to_host(self.graphs.run(record))
+            return StepOutput({r: logits[r] for r in range(len(record.chunks))}, {})
         batch, sample_chunks, hidden_spans = self.build(record)
         logits, hidden = self.model.forward(batch, self.kv)
         out_logits = {}
         if logits is not None:
-            logits = logits.cpu()
+            logits = self._to_host(logits)
             out_logits = {r: logits[i] for i, r in enumerate(sample_chunks)}
         out_hidden = {}
         if hidden is not None:
@@ -81,3 +98,114 @@ class ModelRunner:
                 out_hidden[r] = hidden[off: off + (b - a)]
                 off += b - a
         return StepOutput(out_logits, out_hidden)
+
+    def _to_host(self, logits: torch.Tensor) -> torch.Tensor:
+        if logits.device.type == "cpu":
+            return logits
+        n, v = logits.shape
+        if self._host is None or self._host.shape[0] < n or self._host.shape[1] != v:
+            self._host = torch.empty(max(n, 64), v, dtype=torch.float32, pin_memory=True)
+        out = self._host[:n]
+        out.copy_(logits, non_blocking=True)
+        torch.cuda.current_stream(logits.device).synchronize()
+        return out
+
+
+class DecodeGraphs:
+    """CUDA graphs of decode-only steps, captured on first use per (batch bucket, width bucket)."""
+
+    def __init__(self, model: Transformer, kv: KVCache) -> None:
+        self.model = model
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.device = torch.device(model.device)
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+
+    def accepts(self, record: StepRecord) -> bool:
+        return (len(record.chunks) <= GRAPH_BATCHES[-1]
+                and all(c.end - c.start == 1 and c.samples for c in record.chunks))
+
+    def key(self, record: StepRecord) -> tuple[int, int]:
+        return self.key_for(len(record.chunks), max(len(c.stream.block_table) for c in record.chunks))
+
+    @staticmethod
+    def key_for(streams: int, table_blocks: int = 1) -> tuple[int, int]:
+        """(batch bucket, table-width bucket) of a decode step."""
+        width = MIN_GRAPH_BLOCKS
+        while width < table_blocks:
+            width *= 2
+        return GRAPH_BATCHES[bisect.bisect_left(GRAPH_BATCHES, streams)], width
+
+    @property
+    def captured(self) -> set[tuple[int, int]]:
+        return set(self._graphs)
+
+    def run(self, record: StepRecord) -> torch.Tensor:
+        """→ logits [n, vocab] on the device (a view of the graph's output)."""
+        key = self.key(record)
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._graphs[key] = _Graph(self.model, self.kv, *key, self.device)
+        g.load(record, self.block_size)
+        g.graph.replay()
+        return g.logits[: len(record.chunks)]
+
+    def time_replay(self, key: tuple[int, int], iters: int = 20) -> float:
+        """Median ms of replaying the graph `key` on its current inputs (benchmarks)."""
+        g = self._graphs[key]
+        times = []
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            g.graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+
+class _Graph:
+    """Static inputs for `batch` rows and `width` table columns, and the captured forward."""
+
+    def __init__(self, model: Transformer, kv: KVCache, batch: int, width: int,
+                 device: torch.device) -> None:
+        i64 = dict(dtype=torch.int64, device=device)
+        i32 = dict(dtype=torch.int32, device=device)
+        self.ints = torch.zeros(3, batch, **i64)  # token_ids, positions, slots
+        self.ctx = torch.zeros(batch + batch * width, **i32)  # ctx_lens, then the tables
+        self.host_ints = torch.zeros(3, batch, dtype=torch.int64, pin_memory=True)
+        self.host_ctx = torch.zeros(batch + batch * width, dtype=torch.int32, pin_memory=True)
+        self.batch, self.width = batch, width
+        self.fb = ForwardBatch(
+            token_ids=self.ints[0], positions=self.ints[1], slots=self.ints[2],
+            block_tables=self.ctx[batch:].view(batch, width), tok_row=torch.arange(batch, **i32),
+            ctx_lens=self.ctx[:batch], logit_rows=torch.arange(batch, **i64))
+        self.ints[2].fill_(-1)  # warm-up and capture on padding: no KV written or read
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            model.forward(self.fb, kv)  # compiles every kernel outside the capture
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits, _ = model.forward(self.fb, kv)
+
+    def load(self, record: StepRecord, block_size: int) -> None:
+        n, b, w = len(record.chunks), self.batch, self.width
+        toks, pos, slots, rows = [], [], [], []
+        for c in record.chunks:
+            s, p = c.stream, c.start
+            table = s.block_table
+            toks.append(s.tokens[p])
+            pos.append(p)
+            slots.append(table[p // block_size] * block_size + p % block_size)
+            rows.append(table + [0] * (w - len(table)))
+        ints, ctx = self.host_ints, self.host_ctx
+        ints[:, n:] = 0
+        ints[2, n:] = -1
+        ints[:, :n] = torch.tensor([toks, pos, slots], dtype=torch.int64)
+        ctx.zero_()
+        ctx[:n] = torch.tensor(pos, dtype=torch.int32) + 1
+        ctx[b: b + n * w] = torch.tensor(rows, dtype=torch.int32).view(-1)
+        self.ints.copy_(ints, non_blocking=True)
+        self.ctx.copy_(ctx, non_blocking=True)

@@ -42,7 +42,8 @@ class _Layer:
     gate_up: Linear | None  # gate and up rows fused
     down: Linear | None
     router: Linear | None
-    experts: tuple[tuple[Linear, Linear], ...]  # (gate_up, down) per expert
+    experts: tuple[tuple[Linear, Linear], ...]  # (gate_up, down) per expert (CPU)
+    moe: object | None = None  # CUDA: the experts stacked for ops.moe (kernels/triton_moe.py)
 
 
 def rope_tables(cfg: ModelConfig, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,8 +62,12 @@ class Transformer:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, device: str = "cpu") -> None:
         self.cfg = cfg
         self.device = device
-        self.embed = weights.embed.to(device)
-        self.lm_head = self.embed if weights.lm_head is weights.embed else weights.lm_head.to(device)
+        # CUDA runs fused kernels (q/k norm + RoPE + KV write, residual epilogues, ops.moe);
+        # CPU runs the separate ops, unchanged
+        self.fused = device != "cpu"
+        self.embed = ops.prepare_linear(weights.embed, device)
+        self.lm_head = (self.embed if weights.lm_head is weights.embed
+                        else ops.prepare_linear(weights.lm_head, device))
         self.final_norm = weights.final_norm.to(device)
         self.layers = tuple(self._fuse(layer) for layer in weights.layers)
         self.cos, self.sin = rope_tables(cfg, device)
@@ -71,14 +76,18 @@ class Transformer:
     def _fuse(self, w: LayerWeights) -> _Layer:
         dev = self.device
         t = lambda x: None if x is None else x.to(device=dev, dtype=torch.float32)  # noqa: E731
+        lin = lambda x: ops.prepare_linear(x, dev)  # noqa: E731
         dense = w.gate is not None
+        experts = tuple((concat_rows([e.gate, e.up]), e.down) for e in w.experts)
+        stacked = ops.prepare_experts(experts, dev) if experts else None
         return _Layer(
-            attn_norm=t(w.attn_norm), qkv=concat_rows([w.q, w.k, w.v]).to(dev), o=w.o.to(dev),
+            attn_norm=t(w.attn_norm), qkv=lin(concat_rows([w.q, w.k, w.v])), o=lin(w.o),
             mlp_norm=t(w.mlp_norm), q_norm=t(w.q_norm), k_norm=t(w.k_norm),
-            gate_up=concat_rows([w.gate, w.up]).to(dev) if dense else None,
-            down=w.down.to(dev) if dense else None,
-            router=None if dense else w.router.to(dev),
-            experts=tuple((concat_rows([e.gate, e.up]).to(dev), e.down.to(dev)) for e in w.experts),
+            gate_up=lin(concat_rows([w.gate, w.up])) if dense else None,
+            down=lin(w.down) if dense else None,
+            router=None if dense else lin(w.router),
+            experts=tuple((lin(g), lin(d)) for g, d in experts) if stacked is None else (),
+            moe=stacked,
         )
 
     @torch.inference_mode()
@@ -87,24 +96,33 @@ class Transformer:
         cfg = self.cfg
         t = b.token_ids.shape[0]
         h = self.embed.rows(b.token_ids)  # [T, hidden]
-        cos = self.cos[b.positions][:, None, :]  # [T, 1, D]
-        sin = self.sin[b.positions][:, None, :]
+        if not self.fused:
+            cos = self.cos[b.positions][:, None, :]  # [T, 1, D]
+            sin = self.sin[b.positions][:, None, :]
         for i, layer in enumerate(self.layers):
             x = ops.rms_norm(h, layer.attn_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(x)  # [T, (H + 2*KVH) * D]
-            q = qkv[:, : cfg.q_size].reshape(t, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, cfg.q_size: cfg.q_size + cfg.kv_size].reshape(t, cfg.num_kv_heads, cfg.head_dim)
-            v = qkv[:, cfg.q_size + cfg.kv_size:].reshape(t, cfg.num_kv_heads, cfg.head_dim)
-            if layer.q_norm is not None:
-                q = ops.rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-                k = ops.rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            kv.write(i, b.slots, k, v.contiguous())
+            if self.fused:  # one kernel: q [T, H, D] out, K/V into the pool
+                q = ops.qkv_rope_store(qkv, b.positions, self.cos, self.sin, layer.q_norm,
+                                       layer.k_norm, cfg.rms_norm_eps, b.slots, kv.k[i], kv.v[i],
+                                       cfg.num_heads)
+            else:
+                q = qkv[:, : cfg.q_size].reshape(t, cfg.num_heads, cfg.head_dim)
+                k = qkv[:, cfg.q_size: cfg.q_size + cfg.kv_size].reshape(t, cfg.num_kv_heads, cfg.head_dim)
+                v = qkv[:, cfg.q_size + cfg.kv_size:].reshape(t, cfg.num_kv_heads, cfg.head_dim)
+                if layer.q_norm is not None:
+                    q = ops.rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+                    k = ops.rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+                q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+                kv.write(i, b.slots, k, v.contiguous())
             attn = ops.paged_attention(q, kv.k[i], kv.v[i], b.block_tables, b.tok_row,
                                        b.ctx_lens, self.scale)  # [T, H, D]
-            h = h + layer.o(attn.reshape(t, cfg.q_size))
+            h = ops.linear_residual(layer.o, attn.reshape(t, cfg.q_size), h)  # h + o(attn)
             x = ops.rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps)
-            h = h + (self._moe(layer, x) if layer.router is not None else _mlp(layer.gate_up, layer.down, x))
+            if layer.router is not None:
+                h = self._moe(layer, x, h)
+            else:
+                h = h + _mlp(layer.gate_up, layer.down, x)
         hidden = None
         if b.hidden_rows is not None and b.hidden_rows.numel():
             hidden = ops.rms_norm(h[b.hidden_rows], self.final_norm, cfg.rms_norm_eps)
@@ -113,9 +131,12 @@ class Transformer:
             logits = self.lm_head(ops.rms_norm(h[b.logit_rows], self.final_norm, cfg.rms_norm_eps))
         return logits, hidden
 
-    def _moe(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
-        """Top-k experts per token; the k contributions are summed in rank order (fixed)."""
+    def _moe(self, layer: _Layer, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """h + top-k experts per token; the k contributions are summed in rank order (fixed)."""
         cfg = self.cfg
+        if layer.moe is not None:  # CUDA: router, grouped expert GEMMs, combine + residual
+            return ops.moe(x, layer.router, layer.moe, cfg.num_experts_per_tok,
+                           cfg.norm_topk_prob, residual=h)
         probs = ops.softmax(layer.router(x))  # [T, E]
         top_w, top_i = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)  # [T, k]
         if cfg.norm_topk_prob:
@@ -131,7 +152,7 @@ class Transformer:
         out = ys[0] * top_w[:, 0:1]
         for j in range(1, ys.shape[0]):
             out = out + ys[j] * top_w[:, j: j + 1]
-        return out
+        return h + out
 
 
 def _mlp(gate_up: Linear, down: Linear, x: torch.Tensor) -> torch.Tensor:

@@ -3,31 +3,10 @@
 from __future__ import annotations
 
 import os
-import socket
-import time
 from contextlib import contextmanager
 
-import httpx
-
 from federation.config import FederationConfig
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, timeout: float = 240) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{url}/ready", timeout=10).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"{url} not ready after {timeout}s")
+from federation.launch import free_port, wait_ready  # noqa: F401 (re-exported for tests)
 
 
 @contextmanager

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from federation.config import FederationConfig
-from tests.federation.live import free_port, wait_ready
+from federation.launch import free_port, wait_ready
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"

@@ -121,7 +121,7 @@ def test_bad_input_raises_typed_errors_and_other_streams_keep_decoding(engine):
                     lambda: Request(prompt="x " * 9000, params=GREEDY),
                     lambda: Request(prompt="hi", params=SamplingParams(max_tokens=0)),
                     lambda: Request(prompt="hi", params=SamplingParams(max_tokens=-3)),
-                    lambda: Request(prompt="hi", params=SamplingParams(max_tokens=8190)),
+                    lambda: Request(prompt="hi", params=SamplingParams(max_tokens=9000)),
                     lambda: Request(prompt_token_ids=(1, 10**9), params=GREEDY),
                     lambda: Request(messages=({"role": "wizard", "content": "hi"},), params=GREEDY),
                     lambda: Request(prompt="hi", params=SamplingParams(temperature=-1)),
@@ -156,3 +156,18 @@ def test_serialized_mode_gives_the_same_tokens(engine):
     with Engine(EngineConfig(max_running_streams=1)) as serial:
         one_at_a_time = serial.generate(prompts, GREEDY)
     assert [o.token_ids for o in batched] == [o.token_ids for o in one_at_a_time]
+
+
+def test_a_failing_consumer_loses_only_its_own_request(engine):
+    """A sink that raises (e.g. its client's event loop is gone) must not stop the step loop."""
+    prompt = "Name three rivers."
+    solo = engine.generate([Request(prompt=prompt, params=GREEDY)])[0]
+
+    def broken(ev):
+        raise RuntimeError("Event loop is closed")
+
+    engine.submit(Request(prompt="Tell me a long story.", params=GREEDY), broken)
+    again = engine.generate([Request(prompt=prompt, params=GREEDY)])[0]
+    assert engine.is_alive and again.token_ids == solo.token_ids
+    engine.run_on_loop(engine.core.check_integrity)
+    assert engine.stats()["active_streams"] == 0

@@ -1,0 +1,151 @@
+"""Paged attention over block tables, in Triton: every query token attends to the first
+ctx_lens[t] keys of its own stream (decode: one token per stream; prefill chunks: several
+tokens of a stream, each with its own causal length), reading K/V from the paged pool.
+
+Split-KV with a FIXED split size in tokens (SPLIT): program (token, kv head, split) handles keys
+[split*SPLIT, min((split+1)*SPLIT, ctx)) in tiles of BLOCK_N, with all the query heads of that kv
+head in one tile (GQA). A token whose context fits one split writes its output directly; longer
+ones write partials, merged by a second kernel in split order. How a token's keys are cut
+depends only on its own ctx_len, never on the batch, the grid, or the block-table width, so a
+stream's bits are the same alone, batched, padded into a CUDA-graph bucket, or prefilled in
+chunks. Scores and the weighted sum are fp32-accurate (tf32x3: three tf32 tensor-core products).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SPLIT = 512  # keys per split (fixed: a property of the kernel, not of the batch)
+BLOCK_N = 32  # keys per inner tile; SPLIT % BLOCK_N == 0
+PRECISION = "tf32x3"  # fp32-accurate dots on the tensor cores (three tf32 products)
+
+
+@triton.jit
+def _kv_tile(k_ptr, v_ptr, bt_ptr, row, stride_bt, start, hi, kvh, KVH: tl.constexpr,
+             D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """K and V [BLOCK_N, D] of positions start.. (masked at hi), through the block table."""
+    pos = start + tl.arange(0, BLOCK_N)
+    valid = pos < hi
+    blk = tl.load(bt_ptr + row * stride_bt + pos // BS, mask=valid, other=0).to(tl.int64)
+    off = ((blk * BS + pos % BS) * KVH + kvh)[:, None] * D + tl.arange(0, D)[None, :]
+    k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0)
+    v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0)
+    return k, v, valid
+
+
+@triton.jit(do_not_specialize=["stride_bt", "max_splits"])
+def _attn_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, row_ptr, ctx_ptr, out_ptr, pacc_ptr, pml_ptr,
+                       stride_bt, max_splits, scale,
+                       H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, SPLIT: tl.constexpr,
+                       BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + t)
+    n_splits = tl.cdiv(ctx, SPLIT)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D)
+    heads = kvh * GROUP + g  # [GROUP_PAD] query heads of this kv head
+    g_mask = g < GROUP
+    out_rows = out_ptr + (t * H + heads)[:, None] * D + d[None, :]
+    if ctx == 0:  # padding token: defined output, nothing read
+        if sp == 0:
+            tl.store(out_rows, tl.zeros((GROUP_PAD, D), tl.float32), mask=g_mask[:, None])
+        return
+    if sp >= n_splits:
+        return
+    q = tl.load(q_ptr + (t * H + heads)[:, None] * D + d[None, :], mask=g_mask[:, None], other=0.0)
+    q = q * scale
+    row = tl.load(row_ptr + t).to(tl.int64)
+    m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+    l_i = tl.zeros((GROUP_PAD,), tl.float32)
+    acc = tl.zeros((GROUP_PAD, D), tl.float32)
+    lo = sp * SPLIT
+    hi = tl.minimum(lo + SPLIT, ctx)
+    k_n, v_n, valid_n = _kv_tile(k_ptr, v_ptr, bt_ptr, row, stride_bt, lo, hi, kvh, KVH, D, BS,
+                                 BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        k, v, valid = k_n, v_n, valid_n
+        # the next tile's loads are in flight while this one is computed
+        k_n, v_n, valid_n = _kv_tile(k_ptr, v_ptr, bt_ptr, row, stride_bt, start + BLOCK_N, hi,
+                                     kvh, KVH, D, BS, BLOCK_N)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC)  # [GROUP_PAD, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
+        m_i = m_new
+    if n_splits == 1:
+        tl.store(out_rows, acc / l_i[:, None], mask=g_mask[:, None])
+    else:
+        part = (t * H + heads) * max_splits + sp  # [GROUP_PAD]
+        tl.store(pacc_ptr + part[:, None] * D + d[None, :], acc, mask=g_mask[:, None])
+        tl.store(pml_ptr + part * 2, m_i, mask=g_mask)
+        tl.store(pml_ptr + part * 2 + 1, l_i, mask=g_mask)
+
+
+@triton.jit(do_not_specialize=["max_splits"])
+def _attn_merge_kernel(ctx_ptr, out_ptr, pacc_ptr, pml_ptr, max_splits,
+                       H: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr):
+    """Program (token, head): combine the token's splits in increasing split order."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    n_splits = tl.cdiv(tl.load(ctx_ptr + t), SPLIT)
+    if n_splits <= 1:
+        return
+    base = (t * H + h) * max_splits
+    m = tl.load(pml_ptr + base * 2)
+    for s in range(1, n_splits):
+        m = tl.maximum(m, tl.load(pml_ptr + (base + s) * 2))
+    d = tl.arange(0, D)
+    acc = tl.zeros((D,), tl.float32)
+    l_sum = 0.0
+    for s in range(0, n_splits):
+        w = tl.exp(tl.load(pml_ptr + (base + s) * 2) - m)
+        l_sum = l_sum + tl.load(pml_ptr + (base + s) * 2 + 1) * w
+        acc = acc + tl.load(pacc_ptr + (base + s) * D + d) * w
+    tl.store(out_ptr + (t * H + h) * D + d, acc / l_sum)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, tok_row: torch.Tensor, ctx_lens: torch.Tensor,
+                    scale: float, out: torch.Tensor, split: int = SPLIT) -> torch.Tensor:
+    """q [T, H, D]; caches [num_blocks, block_size, KVH, D]; block_tables [S, MB] int32;
+    tok_row/ctx_lens [T] int32 → out [T, H, D]. All float32. No host sync: the grid's split
+    count comes from the table width (MB * block_size keys at most)."""
+    t, h, d = q.shape
+    nb, bs, kvh, d2 = k_cache.shape
+    if d2 != d or d & (d - 1) or h % kvh or v_cache.shape != k_cache.shape:
+        raise ValueError("paged_attention: inconsistent q/cache shapes (head_dim a power of two)")
+    for ten, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"), (out, "out")):
+        if ten.dtype != torch.float32 or not ten.is_contiguous():
+            raise ValueError(f"paged_attention: {name} must be contiguous float32")
+    for ten, name in ((block_tables, "block_tables"), (tok_row, "tok_row"), (ctx_lens, "ctx_lens")):
+        if ten.dtype != torch.int32 or not ten.is_contiguous():
+            raise ValueError(f"paged_attention: {name} must be contiguous int32")
+    if tok_row.shape != (t,) or ctx_lens.shape != (t,) or block_tables.dim() != 2 or out.shape != q.shape:
+        raise ValueError("paged_attention: tok_row/ctx_lens [T], block_tables [S, MB], out like q")
+    if split % BLOCK_N:
+        raise ValueError(f"split {split} must be a multiple of {BLOCK_N}")
+    if t == 0:
+        return out
+    group = h // kvh
+    max_splits = max(1, triton.cdiv(block_tables.shape[1] * bs, split))
+    if max_splits > 1:
+        pacc = torch.empty(t, h, max_splits, d, dtype=torch.float32, device=q.device)
+        pml = torch.empty(t, h, max_splits, 2, dtype=torch.float32, device=q.device)
+    else:
+        pacc = pml = out  # never touched: every token has one split
+    _attn_split_kernel[(t, kvh, max_splits)](
+        q, k_cache, v_cache, block_tables, tok_row, ctx_lens, out, pacc, pml,
+        block_tables.stride(0), max_splits, scale, H=h, KVH=kvh, D=d, BS=bs, GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), SPLIT=split, BLOCK_N=BLOCK_N,
+        PREC=PRECISION, num_warps=8)
+    if max_splits > 1:
+        _attn_merge_kernel[(t, h)](ctx_lens, out, pacc, pml, max_splits, H=h, D=d, SPLIT=split)
+    return out

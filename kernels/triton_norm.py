@@ -1,0 +1,191 @@
+"""Row-local elementwise kernels in Triton: RMSNorm, SiLU·mul, softmax, and the fused
+q/k-norm + RoPE + KV-cache write of attention's inputs.
+
+Each program owns whole rows and reduces them in one fixed order (a block-shaped tree, or fixed
+chunks in increasing order), so a row's bits never depend on the other rows of the call.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SOFTMAX_CHUNK = 4096  # elements per step of the chunked softmax (fixed)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, K, stride_x, stride_y, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    k = tl.arange(0, BLOCK)
+    mask = k < K
+    x = tl.load(x_ptr + row * stride_x + k, mask=mask, other=0.0)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
+    w = tl.load(w_ptr + k, mask=mask, other=0.0)
+    tl.store(y_ptr + row * stride_y + k, x * inv * w, mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
+    """RMSNorm of the rows of x [R, K] (contiguous rows) into out [R, K]."""
+    r, k = x.shape
+    if x.dtype != torch.float32 or x.stride(1) != 1 or weight.shape != (k,) or out.shape != x.shape:
+        raise ValueError("rms_norm: x [R, K] float32 with contiguous rows, weight [K], out [R, K]")
+    if r:
+        _rms_norm_kernel[(r,)](x, weight, out, k, x.stride(0), out.stride(0), eps,
+                               BLOCK=triton.next_power_of_2(k), num_warps=4 if k <= 4096 else 8)
+    return out
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, K, stride_g, stride_u, stride_y, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = k < K
+    g = tl.load(g_ptr + row * stride_g + k, mask=mask, other=0.0)
+    u = tl.load(u_ptr + row * stride_u + k, mask=mask, other=0.0)
+    tl.store(y_ptr + row * stride_y + k, g / (1.0 + tl.exp(-g)) * u, mask=mask)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = silu(gate) * up, [n, K] each (row-strided views allowed)."""
+    n, k = gate.shape
+    for t, name in ((gate, "gate"), (up, "up"), (out, "out")):
+        if t.shape != (n, k) or t.dtype != torch.float32 or t.stride(1) != 1:
+            raise ValueError(f"silu_mul: {name} must be float32 [n, K] with contiguous rows")
+    if n:
+        block = 1024
+        _silu_mul_kernel[(n, triton.cdiv(k, block))](gate, up, out, k, gate.stride(0), up.stride(0),
+                                                     out.stride(0), BLOCK=block)
+    return out
+
+
+@triton.jit
+def _softmax_kernel(x_ptr, y_ptr, K, stride_x, stride_y, CHUNK: tl.constexpr):
+    """Two passes over fixed chunks in increasing order: max and sum, then normalize."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, CHUNK)
+    mx = tl.full((CHUNK,), float("-inf"), tl.float32)
+    for k0 in range(0, K, CHUNK):
+        x = tl.load(x_ptr + row * stride_x + k0 + c, mask=k0 + c < K, other=float("-inf"))
+        mx = tl.maximum(mx, x)
+    m = tl.max(mx, axis=0)
+    acc = tl.zeros((CHUNK,), tl.float32)
+    for k0 in range(0, K, CHUNK):
+        x = tl.load(x_ptr + row * stride_x + k0 + c, mask=k0 + c < K, other=float("-inf"))
+        acc += tl.exp(x - m)
+    inv = 1.0 / tl.sum(acc, axis=0)
+    for k0 in range(0, K, CHUNK):
+        x = tl.load(x_ptr + row * stride_x + k0 + c, mask=k0 + c < K, other=float("-inf"))
+        tl.store(y_ptr + row * stride_y + k0 + c, tl.exp(x - m) * inv, mask=k0 + c < K)
+
+
+def softmax(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    n, k = x.shape
+    if x.dtype != torch.float32 or x.stride(1) != 1 or out.shape != x.shape:
+        raise ValueError("softmax: x [n, K] float32 with contiguous rows")
+    if n:
+        chunk = min(SOFTMAX_CHUNK, triton.next_power_of_2(k))
+        _softmax_kernel[(n,)](x, out, k, x.stride(0), out.stride(0), CHUNK=chunk)
+    return out
+
+
+@triton.jit
+def _qkv_rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, slot_ptr,
+                           q_ptr, kc_ptr, vc_ptr, stride_qkv, stride_cs, eps,
+                           H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
+                           HAS_NORM: tl.constexpr):
+    """Program (token, head): heads < H are query heads (→ q), the rest key heads, whose
+    value head is copied alongside. Norm over D, then rotate-half RoPE at the token's position."""
+    t = tl.program_id(0).to(tl.int64)
+    hh = tl.program_id(1)
+    half = tl.arange(0, D // 2)
+    base = qkv_ptr + t * stride_qkv + hh * D
+    a = tl.load(base + half)  # [D/2] first half
+    b = tl.load(base + D // 2 + half)  # second half
+    if HAS_NORM:
+        inv = 1.0 / tl.sqrt((tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / D + eps)
+        if hh < H:
+            wa = tl.load(qn_ptr + half)
+            wb = tl.load(qn_ptr + D // 2 + half)
+        else:
+            wa = tl.load(kn_ptr + half)
+            wb = tl.load(kn_ptr + D // 2 + half)
+        a = a * inv * wa
+        b = b * inv * wb
+    p = tl.load(pos_ptr + t)
+    ca = tl.load(cos_ptr + p * stride_cs + half)
+    cb = tl.load(cos_ptr + p * stride_cs + D // 2 + half)
+    sa = tl.load(sin_ptr + p * stride_cs + half)
+    sb = tl.load(sin_ptr + p * stride_cs + D // 2 + half)
+    ra = a * ca - b * sa
+    rb = b * cb + a * sb
+    if hh < H:
+        out = q_ptr + (t * H + hh) * D
+        tl.store(out + half, ra)
+        tl.store(out + D // 2 + half, rb)
+    else:
+        slot = tl.load(slot_ptr + t)
+        if slot >= 0:  # padding tokens (slot -1) write nothing
+            j = hh - H
+            dst = (slot * KVH + j) * D
+            tl.store(kc_ptr + dst + half, ra)
+            tl.store(kc_ptr + dst + D // 2 + half, rb)
+            v = tl.load(base + KVH * D + tl.arange(0, D))
+            tl.store(vc_ptr + dst + tl.arange(0, D), v)
+
+
+def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+                   eps: float, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   num_heads: int, q_out: torch.Tensor) -> torch.Tensor:
+    """From fused qkv [T, (H + 2*KVH) * D]: q_out [T, H, D] (normed, roped); k (normed, roped)
+    and v written to the caches [num_blocks, block_size, KVH, D] at flat slots [T] (-1: skip)."""
+    t = qkv.shape[0]
+    nb, bs, kvh, d = k_cache.shape
+    h = num_heads
+    if d & (d - 1) or d < 4:
+        raise ValueError(f"head_dim {d} must be a power of two")
+    if qkv.dtype != torch.float32 or qkv.stride(1) != 1 or qkv.shape[1] != (h + 2 * kvh) * d:
+        raise ValueError("qkv: expected float32 [T, (H + 2*KVH) * D] with contiguous rows")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
+            and k_cache.dtype == torch.float32 and v_cache.dtype == torch.float32):
+        raise ValueError("caches: expected contiguous float32 [num_blocks, block_size, KVH, D]")
+    if q_out.shape != (t, h, d) or not q_out.is_contiguous():
+        raise ValueError("q_out: expected contiguous [T, H, D]")
+    if positions.shape != (t,) or slots.shape != (t,) or slots.dtype != torch.int64:
+        raise ValueError("positions [T] and slots [T] int64 expected")
+    if cos.shape != sin.shape or cos.shape[1] != d or cos.stride(1) != 1 or cos.stride() != sin.stride():
+        raise ValueError("cos/sin: expected [max_position, D] with equal strides")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm come together")
+    if t:
+        qn = q_norm if q_norm is not None else cos
+        kn = k_norm if k_norm is not None else cos
+        _qkv_rope_store_kernel[(t, h + kvh)](
+            qkv, positions, cos, sin, qn, kn, slots, q_out, k_cache, v_cache, qkv.stride(0),
+            cos.stride(0), eps, H=h, KVH=kvh, D=d, HAS_NORM=q_norm is not None, num_warps=1)
+    return q_out
+
+
+# ---- float64 reference (tests) ----------------------------------------------------------------
+def qkv_rope_reference(qkv, positions, cos, sin, q_norm, k_norm, eps, num_heads, kv_heads):
+    """(q [T, H, D], k [T, KVH, D], v [T, KVH, D]) in float64, as the CPU forward computes them."""
+    t = qkv.shape[0]
+    d = cos.shape[1]
+    x = qkv.double()
+    q = x[:, : num_heads * d].reshape(t, num_heads, d)
+    k = x[:, num_heads * d: (num_heads + kv_heads) * d].reshape(t, kv_heads, d)
+    v = x[:, (num_heads + kv_heads) * d:].reshape(t, kv_heads, d)
+
+    def norm(y, w):
+        return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+    if q_norm is not None:
+        q, k = norm(q, q_norm), norm(k, k_norm)
+    c, s = cos[positions].double()[:, None, :], sin[positions].double()[:, None, :]
+
+    def rope(y):
+        rot = torch.cat([-y[..., d // 2:], y[..., : d // 2]], dim=-1)
+        return y * c + rot * s
+
+    return rope(q), rope(k), v

@@ -1,0 +1,222 @@
+"""Every Triton kernel under TRITON_INTERPRET=1 (CPU, numpy) at tiny shapes: against float64
+references with NaN-poisoned outputs, and bitwise batch invariance (a row alone vs among others,
+at other positions) for linear, attention and MoE. Ends with the fused CUDA forward of a tiny
+qwen3_moe, interpreted, against the CPU engine: greedy tokens equal.
+
+The GPU runs the same kernels at real shapes in tests/kernels/test_gpu.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("triton was imported without TRITON_INTERPRET=1; run this file in its own process",
+                allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels are then interpreted
+pytest.importorskip("triton")
+
+import torch  # noqa: E402
+
+from kernels import cpu  # noqa: E402
+from kernels import triton_attention, triton_int4, triton_moe, triton_norm  # noqa: E402
+from kernels.linear import Linear, quantize_q4, quantize_q8  # noqa: E402
+
+FORMATS = {"f32": Linear.dense, "q4": quantize_q4, "q8": quantize_q8}
+TOL = {"f32": 1e-5, "q4": 5e-3, "q8": 5e-3}  # ‖out − ref‖ / ‖ref‖: exact fp32 dot vs fp16 operands
+
+
+def nan(*shape, dtype=torch.float32):
+    return torch.full(shape, float("nan"), dtype=dtype)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "an output element is NaN/inf (unwritten or wrong)"
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# ---- linear -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("n,k,m", [(48, 64, 1), (80, 160, 19)])
+def test_linear_matches_float64_reference(fmt, n, k, m):
+    g = gen(n * k + m)
+    lin = triton_int4.to_gpu_format(FORMATS[fmt](torch.randn(n, k, generator=g)))
+    x = torch.randn(m, k, generator=g)
+    res = torch.randn(m, n, generator=g)
+    out = triton_int4.linear(lin, x, nan(m, n))
+    assert rel_err(out, lin.reference(x)) < TOL[fmt]
+    out = triton_int4.linear(lin, x, nan(m, n), residual=res)
+    assert rel_err(out, lin.reference(x) + res.double()) < TOL[fmt]
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_linear_row_is_bitwise_independent_of_its_batch(fmt):
+    g = gen(1)
+    lin = triton_int4.to_gpu_format(FORMATS[fmt](torch.randn(40, 128, generator=g)))
+    row = torch.randn(1, 128, generator=g)
+    alone = triton_int4.linear(lin, row, nan(1, 40))
+    for batch, pos in ((1, 1), (5, 2), (20, 17)):
+        others = torch.randn(batch, 128, generator=g)
+        x = torch.cat([others[:pos], row, others[pos:]])
+        assert torch.equal(triton_int4.linear(lin, x, nan(batch + 1, 40))[pos], alone[0])
+
+
+def test_gpu_storage_is_exact_for_fp16_scales():
+    """GGUF-like scales (fp16 values) survive the fp16 GPU storage bit for bit."""
+    lin = quantize_q4(torch.randn(32, 64, generator=gen(2)))  # scales/mins fp16-representable
+    assert torch.equal(triton_int4.to_gpu_format(lin).dequantize(), lin.dequantize())
+
+
+# ---- norms ----------------------------------------------------------------------------------------
+def test_rms_norm_silu_mul_softmax_match_float64():
+    g = gen(3)
+    x = torch.randn(5, 96, generator=g) * 3
+    w = torch.randn(96, generator=g)
+    out = triton_norm.rms_norm(x, w, 1e-6, nan(5, 96))
+    assert rel_err(out, cpu.rms_norm_reference(x, w, 1e-6)) < 1e-6
+    gu = torch.randn(4, 200, generator=g) * 4
+    out = triton_norm.silu_mul(gu[:, :100], gu[:, 100:], nan(4, 100))
+    gd, ud = gu[:, :100].double(), gu[:, 100:].double()
+    assert rel_err(out, gd * torch.sigmoid(gd) * ud) < 1e-6
+    logits = torch.randn(3, 70, generator=g) * 5
+    out = triton_norm.softmax(logits, nan(3, 70))
+    assert rel_err(out, torch.softmax(logits.double(), -1)) < 1e-6
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_qkv_rope_store_matches_reference_and_writes_only_its_slots(qk_norm):
+    g = gen(4)
+    t, h, kvh, d, nb, bs = 3, 4, 2, 16, 4, 4
+    qkv = torch.randn(t, (h + 2 * kvh) * d, generator=g)
+    positions = torch.tensor([0, 5, 9])
+    ang = torch.randn(12, d, generator=g)
+    cos, sin = ang.cos(), ang.sin()
+    qn, kn = (torch.randn(d, generator=g), torch.randn(d, generator=g)) if qk_norm else (None, None)
+    slots = torch.tensor([3, 9, -1])  # the last token is padding: it writes nothing
+    kc, vc = nan(nb, bs, kvh, d), nan(nb, bs, kvh, d)
+    q = triton_norm.qkv_rope_store(qkv, positions, cos, sin, qn, kn, 1e-6, slots, kc, vc, h,
+                                   nan(t, h, d))
+    rq, rk, rv = triton_norm.qkv_rope_reference(qkv, positions, cos, sin, qn, kn, 1e-6, h, kvh)
+    assert rel_err(q, rq) < 1e-6
+    flat_k, flat_v = kc.view(-1, kvh, d), vc.view(-1, kvh, d)
+    assert rel_err(flat_k[[3, 9]], rk[:2]) < 1e-6 and torch.equal(flat_v[[3, 9]], rv[:2].float())
+    untouched = [i for i in range(nb * bs) if i not in (3, 9)]
+    assert torch.isnan(flat_k[untouched]).all() and torch.isnan(flat_v[untouched]).all()
+
+
+# ---- attention ------------------------------------------------------------------------------------
+def _paged_setup(g, h=4, kvh=2, d=16, nb=52, bs=4, rows=3, mb=16):
+    kc = torch.randn(nb, bs, kvh, d, generator=g)
+    vc = torch.randn(nb, bs, kvh, d, generator=g)
+    tables = torch.randperm(nb, generator=g)[: rows * mb].view(rows, mb).to(torch.int32).contiguous()
+    return kc, vc, tables
+
+
+def test_paged_attention_matches_float64_with_splits_and_padding():
+    g = gen(5)
+    kc, vc, tables = _paged_setup(g)
+    tok_row = torch.tensor([0, 0, 1, 2, 1], dtype=torch.int32)
+    ctx = torch.tensor([1, 7, 64, 45, 0], dtype=torch.int32)  # 45, 64 > split 32: merged splits
+    q = torch.randn(5, 4, 16, generator=g)
+    out = triton_attention.paged_attention(q, kc, vc, tables, tok_row, ctx, 0.3, nan(5, 4, 16),
+                                           split=32)
+    ref = cpu.paged_attention_reference(q[:4], kc, vc, tables, tok_row[:4], ctx[:4], 0.3)
+    assert rel_err(out[:4], ref) < 1e-6
+    assert torch.equal(out[4], torch.zeros(4, 16))  # padding token (ctx 0): defined zeros
+
+
+def test_paged_attention_token_is_bitwise_independent_of_batch_and_table_width():
+    g = gen(6)
+    kc, vc, tables = _paged_setup(g)
+    q = torch.randn(4, 4, 16, generator=g)
+    ctx = torch.tensor([61, 5, 40, 9], dtype=torch.int32)
+    rows = torch.tensor([2, 0, 1, 0], dtype=torch.int32)
+    alone = triton_attention.paged_attention(q[:1], kc, vc, tables[2:3].contiguous(),
+                                             torch.zeros(1, dtype=torch.int32), ctx[:1], 0.3,
+                                             nan(1, 4, 16), split=32)
+    wide = torch.cat([tables, torch.zeros(3, 16, dtype=torch.int32)], 1).contiguous()  # more splits
+    for tab in (tables, wide):
+        out = triton_attention.paged_attention(q, kc, vc, tab, rows, ctx, 0.3, nan(4, 4, 16),
+                                               split=32)
+        assert torch.equal(out[0], alone[0])
+
+
+# ---- MoE ------------------------------------------------------------------------------------------
+def _moe_setup(fmt, g, e=8, hidden=64, inter=32):
+    mk = FORMATS[fmt]
+    router = triton_int4.to_gpu_format(mk(torch.randn(e, hidden, generator=g)))
+    experts = tuple((triton_int4.to_gpu_format(mk(torch.randn(2 * inter, hidden, generator=g) / 8)),
+                     triton_int4.to_gpu_format(mk(torch.randn(hidden, inter, generator=g) / 6)))
+                    for _ in range(e))
+    return router, experts, triton_moe.StackedExperts.stack(experts)
+
+
+def _moe(x, router, stacked, top_k, residual=None):
+    t = x.shape[0]
+    ids, wts = torch.full((t, top_k), -5, dtype=torch.int32), nan(t, top_k)
+    triton_moe.route(x, router, top_k, True, ids, wts)
+    inter = nan(t * top_k, stacked.inter).to(triton_moe.inter_dtype(stacked))
+    y = nan(t * top_k, stacked.hidden)
+    triton_moe.experts_forward(x, ids, stacked, inter, y)
+    return ids, wts, triton_moe.combine(y, wts, nan(t, stacked.hidden), residual)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q4"])
+def test_moe_matches_float64_reference(fmt):
+    g = gen(7)
+    router, experts, stacked = _moe_setup(fmt, g)
+    x = torch.randn(6, 64, generator=g)
+    res = torch.randn(6, 64, generator=g)
+    ids, wts, out = _moe(x, router, stacked, 2, res)
+    rids, rw, rout = triton_moe.moe_reference(x, router, experts, 2, True)
+    assert torch.equal(ids, rids.to(torch.int32))
+    assert rel_err(wts, rw) < TOL[fmt] and rel_err(out - res, rout) < TOL[fmt]
+
+
+def test_moe_token_is_bitwise_independent_of_its_batch():
+    g = gen(8)
+    router, _, stacked = _moe_setup("q4", g)
+    row = torch.randn(1, 64, generator=g)
+    alone = _moe(row, router, stacked, 2)[2]
+    for batch, pos in ((3, 1), (20, 20)):  # 21 tokens: some expert gets more than one tile
+        others = torch.randn(batch, 64, generator=g)
+        x = torch.cat([others[:pos], row, others[pos:]])
+        assert torch.equal(_moe(x, router, stacked, 2)[2][pos], alone[0])
+
+
+# ---- the fused CUDA forward, interpreted, vs the CPU engine ----------------------------------------
+def test_fused_forward_greedy_tokens_equal_cpu_engine(monkeypatch):
+    from kernels import gpu, ops
+    from replica.core import EngineCore
+    from replica.config import EngineConfig
+    from replica.models.synthetic import synthetic_model
+    from replica.request import Request
+    from replica.sampling import SamplingParams
+
+    loaded = synthetic_model("tiny-qwen3-moe", seed=3)
+    cfg = dict(model=loaded.config.name, block_size=4, num_kv_blocks=32, max_batch_tokens=16)
+    req = lambda: Request(prompt_token_ids=(5, 17, 99, 3, 250, 42, 7),  # noqa: E731
+                          params=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+
+    def run(core):
+        events = []
+        core.add(core.prepare(req()), events.append)
+        while core.has_work:
+            core.step()
+        return [t for ev in events for t in ev.token_ids]
+
+    want = run(EngineCore(EngineConfig(**cfg), loaded=loaded))
+    monkeypatch.setattr(ops, "_backend", lambda t: gpu)  # CPU tensors → the Triton kernels
+    monkeypatch.setattr(ops, "prepare_linear", lambda lin, dev: gpu.prepare_linear(lin, dev))
+    monkeypatch.setattr(ops, "prepare_experts", lambda ex, dev: gpu.prepare_experts(ex, dev))
+    core = EngineCore(EngineConfig(**cfg), loaded=loaded)
+    core.model.fused = True
+    assert core.model.layers[0].moe is not None
+    assert run(core) == want
