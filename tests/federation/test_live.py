@@ -60,7 +60,7 @@ def test_openai_client_chat_stream_completions_embeddings_models(client):
         model=MODEL, max_tokens=16, temperature=0, stream=True, stream_options={"include_usage": True},
         messages=[{"role": "user", "content": "Say hello."}]))
     text = "".join(p.choices[0].delta.content or "" for p in pieces if p.choices)
-    assert text and pieces[-1].usage.completion_tokens == 16 or pieces[-1].usage.completion_tokens > 0
+    assert text and 0 < pieces[-1].usage.completion_tokens <= 16
     cmpl = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
                                      temperature=0)
     assert "Paris" in cmpl.choices[0].text
