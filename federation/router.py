@@ -22,6 +22,11 @@ def _payload(request: PendingRequest | None) -> dict:
     return request.args[0]
 
 
+def _ranks(first: RunningReplica, rest: list[RunningReplica]) -> list[list[RunningReplica]]:
+    """Serve's ranking: the chosen replica first, then the others as fallbacks."""
+    return [[first], rest] if rest else [[first]]
+
+
 def _usable(candidates: list[RunningReplica], request: PendingRequest | None) -> list[RunningReplica]:
     """Candidates minus the replicas a failover asks to avoid (unless none would remain)."""
     avoid = set(_payload(request).get("avoid", ()))
@@ -67,7 +72,7 @@ class StickyRouter(RequestRouter):
         ranked = sorted(candidate_replicas, key=self._load)
         session = _payload(pending_request).get("session_key")
         if session is None:
-            return [[ranked[0]], ranked[1:]] if len(ranked) > 1 else [ranked]
+            return _ranks(ranked[0], ranked[1:])
         owner = await self._directory.lookup.remote(session)
         if owner in by_id:
             chosen, reason = by_id[owner], "sticky"
@@ -79,8 +84,7 @@ class StickyRouter(RequestRouter):
             if winner in by_id:
                 chosen = by_id[winner]
         self._metrics.placed(reason)
-        rest = [r for r in ranked if r is not chosen]
-        return [[chosen], rest] if rest else [[chosen]]
+        return _ranks(chosen, [r for r in ranked if r is not chosen])
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result) -> None:
@@ -113,5 +117,4 @@ class RoundRobinRouter(RequestRouter):
         candidate_replicas = _usable(candidate_replicas, pending_request)
         ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
         i = next(self._turn) % len(ordered)
-        rest = ordered[i + 1:] + ordered[:i]
-        return [[ordered[i]], rest] if rest else [[ordered[i]]]
+        return _ranks(ordered[i], ordered[i + 1:] + ordered[:i])
