@@ -166,7 +166,8 @@ class Ingress:
                                        f"{attempt + 1} attempts ({type(e).__name__})",
                                        type_="server_error", code="replicas_unavailable")
                 self.failovers.inc()
-                self.replayed.inc(len(emitted))
+                if emitted:  # a Ray counter refuses inc(0); a loss before the first token replays none
+                    self.replayed.inc(len(emitted))
                 await asyncio.sleep(0.2 * (attempt + 1))
 
     async def _run(self, request: Request, body, payload: dict, chat: bool):

@@ -17,11 +17,11 @@ pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"
 
 
-def replica_nodes() -> dict[str, str]:
+def actor_nodes(prefix: str) -> dict[str, str]:
     from ray.util.state import list_actors
 
     return {a.name: a.node_id for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
-            if a.name and a.name.startswith("SERVE_REPLICA::fedserve#Replica#")}
+            if a.name and a.name.startswith(prefix)}
 
 
 def test_one_replica_per_node_and_node_loss_loses_nothing():
@@ -31,17 +31,18 @@ def test_one_replica_per_node_and_node_loss_loses_nothing():
 
     from federation.launch import start, stop
 
-    # the head has too few CPUs for a replica (ingress 0.1 + replica 1.0 > 1): replicas go to workers
+    # the head has fewer (logical) CPUs than one replica asks for (1 < 1.5), whatever else lands there,
+    # so replicas can only go to the workers; a worker holds one replica and the ingress (1.6 <= 2)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    workers = [cluster.add_node(num_cpus=1) for _ in range(2)]
+    workers = [cluster.add_node(num_cpus=2) for _ in range(2)]
     ray.init(address=cluster.address)
     cluster.wait_for_nodes()
     try:
-        cfg = FederationConfig(num_replicas=2, one_replica_per_node=True, replica_num_cpus=1.0,
+        cfg = FederationConfig(num_replicas=2, one_replica_per_node=True, replica_num_cpus=1.5,
                                max_failovers=6)
         url = start(cfg, "127.0.0.1", free_port())
         wait_ready(url)
-        nodes = replica_nodes()
+        nodes = actor_nodes("SERVE_REPLICA::fedserve#Replica#")
         worker_ids = {w.node_id for w in workers}
         assert len(nodes) == 2 and set(nodes.values()) == worker_ids, (nodes, worker_ids)
 
@@ -60,8 +61,12 @@ def test_one_replica_per_node_and_node_loss_loses_nothing():
         threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
+        # lose a replica's machine; the ingress (one Serve replica) may share a worker, and this test
+        # is about replica loss, so the worker without it goes
+        ingress_node = set(actor_nodes("SERVE_REPLICA::fedserve#Ingress#").values())
+        victim = next(w for w in workers if w.node_id not in ingress_node)
         time.sleep(4)
-        cluster.remove_node(workers[0])
+        cluster.remove_node(victim)
         time.sleep(8)
         stop_flag.set()
         for t in threads:
