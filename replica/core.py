@@ -158,7 +158,9 @@ class EngineCore:
                 self._pool_hidden(live, out.hidden[r])
                 continue
             if chunk.samples:
-                tok = sample(out.logits[r], s.params, position=s.num_tokens)
+                tok = out.greedy.get(r)
+                if tok is None:
+                    tok = sample(out.logits[r], s.params, position=s.num_tokens)
                 s.output_ids.append(tok)
                 self._emit(live)
         return record.num_tokens

@@ -9,7 +9,8 @@ same in any bucket and in the eager path (tests/kernels/test_gpu.py checks it).
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,8 +24,34 @@ MIN_GRAPH_BLOCKS = 16  # block-table width buckets: powers of two from here
 
 @dataclass(frozen=True, eq=False)
 class StepOutput:
-    logits: dict[int, torch.Tensor]  # chunk index → [vocab] fp32 (CPU), for sampling chunks
+    logits: Mapping[int, torch.Tensor]  # chunk index → [vocab] fp32 (CPU), for sampling chunks
     hidden: dict[int, torch.Tensor]  # chunk index → [n, hidden] fp32 (CPU), for embed chunks
+    greedy: dict[int, int] = field(default_factory=dict)  # chunk index → argmax, greedy chunks
+
+
+class HostRows(Mapping):
+    """chunk index → that chunk's logits on the host. Rows fetched at step time (the chunks that
+    sample on the host) are here already; any other row is copied from the device on first read
+    (tests read them; the engine does not). Valid until the next execute."""
+
+    def __init__(self, device_logits: torch.Tensor, row_of: dict[int, int],
+                 fetched: dict[int, torch.Tensor]) -> None:
+        self._dev, self._row_of, self._fetched = device_logits, row_of, fetched
+
+    def __getitem__(self, chunk: int) -> torch.Tensor:
+        row = self._fetched.get(chunk)
+        if row is None:
+            row = self._fetched[chunk] = self._dev[self._row_of[chunk]].to("cpu")
+        return row
+
+    def __contains__(self, chunk: object) -> bool:
+        return chunk in self._row_of
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._row_of)
+
+    def __len__(self) -> int:
+        return len(self._row_of)
 
 
 class ModelRunner:
@@ -34,7 +61,8 @@ class ModelRunner:
         self.block_size = kv.block_size
         cuda = torch.device(model.device).type == "cuda"
         self.graphs = DecodeGraphs(model, kv) if cuda else None
-        self._host: torch.Tensor | None = None  # pinned staging for logits (CUDA)
+        self._host: torch.Tensor | None = None  # pinned staging for logits rows (CUDA)
+        self._host_ids: torch.Tensor | None = None  # pinned staging for argmax ids (CUDA)
 
     def build(self, record: StepRecord) -> tuple[ForwardBatch, list[int], list[tuple[int, int, int]]]:
         bs = self.block_size
@@ -78,18 +106,16 @@ class ModelRunner:
         return batch, sample_chunks, hidden_spans
 
     def execute(self, record: StepRecord) -> StepOutput:
-        """Logits are valid until the next execute (on CUDA they sit in a reused pinned buffer)."""
+        """Greedy chunks get their token (argmax, first index on ties) chosen where the logits
+        are, so on CUDA only ids and the rows of host-sampled chunks cross to the host.
+        Logits are valid until the next execute (on CUDA they sit in reused buffers)."""
         if not record.chunks:
             return StepOutput({}, {})
         if self.graphs is not None and self.graphs.accepts(record):
-            logits = self._to_host(self.graphs.run(record))
-            return StepOutput({r: logits[r] for r in range(len(record.chunks))}, {})
+            logits, argmax = self.graphs.run(record)
+            return self._pick(record, logits, argmax, list(range(len(record.chunks))))
         batch, sample_chunks, hidden_spans = self.build(record)
         logits, hidden = self.model.forward(batch, self.kv)
-        out_logits = {}
-        if logits is not None:
-            logits = self._to_host(logits)
-            out_logits = {r: logits[i] for i, r in enumerate(sample_chunks)}
         out_hidden = {}
         if hidden is not None:
             hidden = hidden.cpu()
@@ -97,18 +123,47 @@ class ModelRunner:
             for r, a, b in hidden_spans:
                 out_hidden[r] = hidden[off: off + (b - a)]
                 off += b - a
-        return StepOutput(out_logits, out_hidden)
+        if logits is None:
+            return StepOutput({}, out_hidden)
+        out = self._pick(record, logits, torch.argmax(logits, dim=-1), sample_chunks)
+        return StepOutput(out.logits, out_hidden, out.greedy)
 
-    def _to_host(self, logits: torch.Tensor) -> torch.Tensor:
+    def _pick(self, record: StepRecord, logits: torch.Tensor, argmax: torch.Tensor,
+              sample_chunks: list[int]) -> StepOutput:
+        """logits/argmax rows i belong to chunks sample_chunks[i] (more rows may follow: padding)."""
+        row_of = {r: i for i, r in enumerate(sample_chunks)}
+        greedy_rows = [i for i, r in enumerate(sample_chunks)
+                       if record.chunks[r].stream.params.greedy]
+        host_rows = [i for i, r in enumerate(sample_chunks)
+                     if not record.chunks[r].stream.params.greedy]
+        n = len(sample_chunks)
         if logits.device.type == "cpu":
-            return logits
-        n, v = logits.shape
-        if self._host is None or self._host.shape[0] < n or self._host.shape[1] != v:
-            self._host = torch.empty(max(n, 64), v, dtype=torch.float32, pin_memory=True)
-        out = self._host[:n]
-        out.copy_(logits, non_blocking=True)
+            ids = argmax[:n]
+            fetched = {sample_chunks[i]: logits[i] for i in host_rows}
+        else:
+            ids, rows = self._to_host(argmax[:n], logits, host_rows)
+            fetched = {sample_chunks[i]: rows[j] for j, i in enumerate(host_rows)}
+        ids = ids.tolist()
+        greedy = {sample_chunks[i]: ids[i] for i in greedy_rows}
+        return StepOutput(HostRows(logits, row_of, fetched), {}, greedy)
+
+    def _to_host(self, ids: torch.Tensor, logits: torch.Tensor,
+                 rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, logits[rows]) copied to pinned host buffers with one synchronization."""
+        n, v = len(rows), logits.shape[1]
+        if self._host_ids is None or self._host_ids.shape[0] < ids.shape[0]:
+            self._host_ids = torch.empty(max(ids.shape[0], 128), dtype=torch.int64, pin_memory=True)
+        host_ids = self._host_ids[: ids.shape[0]]
+        host_ids.copy_(ids, non_blocking=True)
+        out = None
+        if n:
+            if self._host is None or self._host.shape[0] < n or self._host.shape[1] != v:
+                self._host = torch.empty(max(n, 64), v, dtype=torch.float32, pin_memory=True)
+            out = self._host[:n]
+            index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+            out.copy_(logits.index_select(0, index), non_blocking=True)
         torch.cuda.current_stream(logits.device).synchronize()
-        return out
+        return host_ids, out
 
 
 class DecodeGraphs:
@@ -140,15 +195,16 @@ class DecodeGraphs:
     def captured(self) -> set[tuple[int, int]]:
         return set(self._graphs)
 
-    def run(self, record: StepRecord) -> torch.Tensor:
-        """→ logits [n, vocab] on the device (a view of the graph's output)."""
+    def run(self, record: StepRecord) -> tuple[torch.Tensor, torch.Tensor]:
+        """→ (logits [bucket, vocab], argmax [bucket]) on the device: the graph's outputs, whose
+        first len(record.chunks) rows are the step's."""
         key = self.key(record)
         g = self._graphs.get(key)
         if g is None:
             g = self._graphs[key] = _Graph(self.model, self.kv, *key, self.device)
         g.load(record, self.block_size)
         g.graph.replay()
-        return g.logits[: len(record.chunks)]
+        return g.logits, g.argmax
 
     def time_replay(self, key: tuple[int, int], iters: int = 20) -> float:
         """Median ms of replaying the graph `key` on its current inputs (benchmarks)."""
@@ -189,6 +245,7 @@ class _Graph:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.logits, _ = model.forward(self.fb, kv)
+            self.argmax = torch.argmax(self.logits, dim=-1)  # greedy picks stay on the device
 
     def load(self, record: StepRecord, block_size: int) -> None:
         n, b, w = len(record.chunks), self.batch, self.width

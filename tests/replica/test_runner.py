@@ -1,0 +1,73 @@
+"""ModelRunner's outputs: greedy chunks get their token where the logits are (argmax, first index
+on ties), host-sampled chunks get their logits rows, and every row reads back the same bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from replica.models.synthetic import synthetic_model
+from replica.request import Request
+from replica.runner import HostRows
+from replica.sampling import SamplingParams, sample
+from tests.replica.schedules import small_core
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def mixed_step(device: str):
+    core = small_core(synthetic_model("tiny-llama", seed=3, device=device), device=device)
+    params = [SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=4, temperature=0.8, seed=11, ignore_eos=True),
+              SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=4, temperature=1.2, top_k=5, seed=5, ignore_eos=True)]
+    for i, p in enumerate(params):
+        req = Request(prompt_token_ids=(3 + i, 9, 4 + i), params=p, request_id=f"r{i}")
+        core.add(core.prepare(req), lambda ev: None)
+    seen = []
+    execute = core.runner.execute
+
+    def logged(record):
+        out = execute(record)
+        samples = [c.samples for c in record.chunks]  # before the step appends tokens
+        seen.append((record, samples, out, {r: out.logits[r].clone() for r in out.logits}))
+        return out
+
+    core.runner.execute = logged
+    while core.has_work:
+        core.step()
+    return seen
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_ids_come_from_the_runner_and_match_the_host_sampler(device):
+    seen = mixed_step(device)
+    assert len(seen) >= 4
+    greedy_picks = sampled_rows = 0
+    for record, samples, out, rows in seen:
+        assert isinstance(out.logits, HostRows)
+        for r, chunk in enumerate(record.chunks):
+            if not samples[r]:
+                assert r not in out.logits and r not in out.greedy
+                continue
+            assert r in out.logits
+            row = rows[r]
+            assert row.device.type == "cpu" and row.shape == (320,) and torch.isfinite(row).all()
+            if chunk.stream.params.greedy:
+                greedy_picks += 1
+                assert out.greedy[r] == int(torch.argmax(row))
+                assert out.greedy[r] == sample(row, chunk.stream.params, 0)
+            else:
+                sampled_rows += 1
+                assert r not in out.greedy
+    assert greedy_picks >= 8 and sampled_rows >= 8
+
+
+def test_host_rows_fetches_only_what_is_read():
+    dev = torch.arange(12, dtype=torch.float32).view(3, 4)
+    rows = HostRows(dev, {0: 2, 5: 0}, {5: torch.full((4,), -1.0)})
+    assert 5 in rows and 0 in rows and 1 not in rows and len(rows) == 2 and sorted(rows) == [0, 5]
+    assert rows[5].tolist() == [-1.0] * 4  # fetched at step time: not read again
+    assert rows[0].tolist() == [8.0, 9.0, 10.0, 11.0]
+    with pytest.raises(KeyError):
+        rows[1]
