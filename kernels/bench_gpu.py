@@ -20,12 +20,11 @@ from kernels.linear import Linear
 from kernels.triton_int4 import FMT_CODES, TileConfig, _rows_times_w, weight_args
 
 DEV = "cuda"
-TILES = {
-    "16x16x128w4": TileConfig(16, 16, 128, 4, 2),
-    "16x32x128w4": TileConfig(16, 32, 128, 4, 2),
-    "16x64x128w8": TileConfig(16, 64, 128, 8, 2),
-    "16x16x256w4": TileConfig(16, 16, 256, 4, 2),
-}
+TILES = ("16x16x128w4", "16x32x128w4", "16x64x128w8", "16x16x256w4",  # the block loop (v2/v4)
+         "16x32x128w4:elem", "16x32x128w4:swap", "16x64x128w4:swap", "16x64x64w4s3:swap",
+         "64x64x128w4:swap")
+MOE_TILES = ("16x32x128w4", "16x64x128w8", "16x32x128w4:elem", "16x32x128w4:swap",
+             "16x64x128w4:swap")
 
 
 def time_ms(fn, reps: int = 20, iters: int = 15) -> float:
@@ -99,7 +98,17 @@ def linear_splitk(lin: Linear, x: torch.Tensor, out: torch.Tensor, split: int,
     return out
 
 
-def bench_linear(copy_gbs: float, ms_list, tiles) -> list[dict]:
+def timed(fn, name: str) -> float:
+    """time_ms, or NaN (reported) when a variant fails to compile or run: one bad variant
+    must not cost the rest of a device run."""
+    try:
+        return time_ms(fn)
+    except Exception as e:  # noqa: BLE001 - reported and the run goes on
+        print(f"variant {name} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return float("nan")
+
+
+def bench_linear(copy_gbs: float, ms_list, tiles, splitk: bool = True) -> list[dict]:
     g = torch.Generator(DEV).manual_seed(0)
     shapes = {"qkv": (5120, 2048), "o": (2048, 4096), "lm_head": (151936, 2048)}
     rows = []
@@ -117,11 +126,11 @@ def bench_linear(copy_gbs: float, ms_list, tiles) -> list[dict]:
                 return lins[state["i"]]
 
             for tname, tile in tiles.items():
-                ms = time_ms(lambda: triton_int4.linear(nxt(), x, out, tile=tile))
+                ms = timed(lambda: triton_int4.linear(nxt(), x, out, tile=tile), tname)
                 gbs = one.nbytes / ms / 1e6
                 rows.append(dict(kernel="linear_q4", shape=name, m=m, variant=tname, ms=ms,
                                  gbs=gbs, pct_copy=100 * gbs / copy_gbs))
-            for split in (2, 4):
+            for split in (2, 4) if splitk else ():
                 tile = triton_int4.LINEAR_TILE
                 if k % (split * tile.bk):
                     continue
@@ -164,7 +173,7 @@ def bench_moe(copy_gbs: float, ts, tiles) -> list[dict]:
                 triton_moe.route(x, router, 8, True, ids, wts)
                 triton_moe.experts_forward(x, ids, lay(), inter, y, tile=tile)
                 triton_moe.combine(y, wts, out)
-            ms = time_ms(full)
+            ms = timed(full, tname)
             gbs = nbytes / ms / 1e6
             rows.append(dict(kernel="moe", shape=f"E128 k8 touched={touched}", m=t, variant=tname,
                              ms=ms, gbs=gbs, pct_copy=100 * gbs / copy_gbs))
@@ -194,9 +203,9 @@ def bench_attention(copy_gbs: float) -> list[dict]:
 
 
 def format_rows(rows: list[dict]) -> str:
-    lines = [f"{'kernel':<16} {'shape':<24} {'M':>4} {'variant':<12} {'ms':>8} {'GB/s':>7} {'%copy':>6}"]
+    lines = [f"{'kernel':<16} {'shape':<24} {'M':>4} {'variant':<20} {'ms':>8} {'GB/s':>7} {'%copy':>6}"]
     for r in rows:
-        lines.append(f"{r['kernel']:<16} {r['shape']:<24} {r['m']:>4} {r['variant']:<12} "
+        lines.append(f"{r['kernel']:<16} {r['shape']:<24} {r['m']:>4} {r['variant']:<20} "
                      f"{r['ms']:>8.4f} {r['gbs']:>7.0f} {r['pct_copy']:>6.1f}")
     return "\n".join(lines)
 
@@ -204,18 +213,27 @@ def format_rows(rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="the engine's tiles only")
+    ap.add_argument("--ms", default="1,8,32,64", help="batch sizes (rows / tokens)")
+    ap.add_argument("--tiles", default=",".join(TILES), help="linear tile specs to compare")
+    ap.add_argument("--moe-tiles", default=",".join(MOE_TILES), help="expert tile specs")
+    ap.add_argument("--no-splitk", action="store_true", help="skip the split-K references")
+    ap.add_argument("--no-attention", action="store_true")
     args = ap.parse_args()
+    ms_list = tuple(int(v) for v in args.ms.split(","))
     copy_gbs = copy_bandwidth()
     print(f"device copy: {copy_gbs:.0f} GB/s (read + write)", flush=True)
-    tiles = TILES if not args.quick else {"fixed": triton_int4.LINEAR_TILE}
-    rows = bench_attention(copy_gbs)
+    if args.quick:
+        tiles = {"fixed": triton_int4.LINEAR_TILE}
+        moe_tiles = {"fixed": triton_moe.EXPERT_TILE}
+    else:
+        tiles = {t: triton_int4.TileConfig.parse(t) for t in args.tiles.split(",")}
+        moe_tiles = {t: triton_int4.TileConfig.parse(t) for t in args.moe_tiles.split(",")}
+    rows = [] if args.no_attention else bench_attention(copy_gbs)
     print(format_rows(rows), flush=True)
-    rows_l = bench_linear(copy_gbs, (1, 8, 32, 64), tiles)
+    rows_l = bench_linear(copy_gbs, ms_list, tiles, splitk=not args.no_splitk)
     print(format_rows(rows_l), flush=True)
-    moe_tiles = ({k: TILES[k] for k in ("16x32x128w4", "16x64x128w8", "16x16x256w4")}
-                 if not args.quick else {"fixed": triton_moe.EXPERT_TILE})
-    rows_m = bench_moe(copy_gbs, (1, 8, 32, 64), moe_tiles)
+    rows_m = bench_moe(copy_gbs, ms_list, moe_tiles)
     print(format_rows(rows_m), flush=True)
     rows += rows_l + rows_m
     if args.json:

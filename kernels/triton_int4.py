@@ -17,6 +17,7 @@ a weight tile in L2.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -31,16 +32,53 @@ FMT_CODES = {"f32": FMT_F32, "q4": FMT_Q4, "q8": FMT_Q8}
 
 @dataclass(frozen=True)
 class TileConfig:
-    """A kernel's tile shape. Fixed per kernel, never chosen from the batch size."""
+    """A kernel's tile shape and q4 inner loop. Fixed per kernel, never chosen from the batch
+    size. elem: the q4 tile is dequantized by elementwise ops only (scales and mins loaded per
+    element, no reshapes), so the compiler may convert the raw bytes to the dot-operand layout
+    instead of the fp16 tile; swap: the weight tile is the dot's left operand ([BN, BK] x
+    [BK, BM], the decode "swap AB" form: BN fills the MMA's M side, the few rows its N side)."""
 
     bm: int = 16
     bn: int = 64
     bk: int = 128
     warps: int = 4
     stages: int = 3
+    elem: bool = False
+    swap: bool = False
 
 
-LINEAR_TILE = TileConfig(bm=16, bn=32, bk=128, warps=4, stages=2)
+    @classmethod
+    def parse(cls, spec: str) -> "TileConfig":
+        """"16x32x128w4" [+ "s2"] [+ ":elem" | ":swap"] → TileConfig (benchmarks, env)."""
+        shape, _, loop = spec.partition(":")
+        if loop not in ("", "block", "elem", "swap"):
+            raise ValueError(f"tile {spec!r}: the q4 loop must be block, elem or swap")
+        try:
+            dims, _, rest = shape.partition("w")
+            warps, _, stages = rest.partition("s")
+            bm, bn, bk = (int(v) for v in dims.split("x"))
+            tile = cls(bm, bn, bk, int(warps), int(stages or 2), elem=loop in ("elem", "swap"),
+                       swap=loop == "swap")
+        except ValueError as e:
+            raise ValueError(f"tile {spec!r}: expected BMxBNxBKwW[sS][:loop], e.g. "
+                             f"16x32x128w4:swap") from e
+        if bk % 32 or min(bm, bn, bk) < 16:
+            raise ValueError(f"tile {spec!r}: BM, BN, BK must be >= 16 and BK a multiple of 32")
+        return tile
+
+    @property
+    def name(self) -> str:
+        loop = ":swap" if self.swap else ":elem" if self.elem else ""
+        return f"{self.bm}x{self.bn}x{self.bk}w{self.warps}s{self.stages}{loop}"
+
+
+def tile_from_env(var: str, default: str) -> TileConfig:
+    """A kernel's tile: fixed for the process (so per engine, never per batch), `default`
+    unless the environment names another (benchmarks compare inner loops this way)."""
+    return TileConfig.parse(os.environ.get(var) or default)
+
+
+LINEAR_TILE = tile_from_env("FEDSERVE_LINEAR_TILE", "16x32x128w4s2")
 
 
 @dataclass(frozen=True, eq=False)
@@ -145,9 +183,87 @@ def _dequant_q4(p, s, m, BN: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
+def _load_w_elem(w_ptr, s_ptr, m_ptr, n_loc, n_mask, k0, K, stride_w, stride_s,
+                 BN: tl.constexpr, BK: tl.constexpr):
+    """q4 tile at k0 for the elementwise dequant: bytes [BN, BK//2] and the scale and min of
+    each byte's 32-block, also [BN, BK//2] (a gather whose 16 equal addresses per block a
+    thread loads once). Column c holds elements (c//16)*32 + c%16 (low nibble) and +16 (high)."""
+    c = tl.arange(0, BK // 2)
+    mask = n_mask[:, None] & ((k0 // 2 + c) < K // 2)[None, :]
+    w = tl.load(w_ptr + n_loc[:, None] * stride_w + (k0 // 2 + c)[None, :], mask=mask, other=0)
+    sidx = n_loc[:, None] * stride_s + (k0 // 32 + c // 16)[None, :]
+    s = tl.load(s_ptr + sidx, mask=mask, other=0.0)
+    m = tl.load(m_ptr + sidx, mask=mask, other=0.0)
+    return w, s, m
+
+
+@triton.jit
+def _q4_elem(p, s, m):
+    """Elementwise q4 dequant of bytes p [BN, BK//2] with per-element scale/min → (low, high)
+    fp16 tiles, the columns of _load_w_elem. The same fp16 arithmetic as _dequant_q4."""
+    lo = ((p & 0xF).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    hi = ((p >> 4).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    return lo * s + m, hi * s + m
+
+
+@triton.jit
+def _rows_times_w_q4_elem(x_ptr, x_rows, row_mask, stride_x, w_ptr, s_ptr, m_ptr, n0, n_mask,
+                          K, stride_w, stride_s, BM: tl.constexpr, BN: tl.constexpr,
+                          BK: tl.constexpr, SWAP: tl.constexpr):
+    """x[x_rows, :K] @ W[n0 : n0 + BN, :K].T → [BM, BN] fp32 for q4 by the elementwise dequant
+    (TileConfig.elem); k tiles in increasing order, weights prefetched two ahead. SWAP computes
+    the transposed product W x^T on the MMA and transposes once at the end: a row's sum is the
+    same dot of its own inputs either way round, so invariance holds alike."""
+    xr = x_rows[:, None] * stride_x
+    n_loc = tl.arange(0, BN)
+    w_ptr += tl.cast(n0, tl.int64) * stride_w
+    s_ptr += tl.cast(n0, tl.int64) * stride_s
+    m_ptr += tl.cast(n0, tl.int64) * stride_s
+    w_a, s_a, m_a = _load_w_elem(w_ptr, s_ptr, m_ptr, n_loc, n_mask, 0, K, stride_w, stride_s, BN, BK)
+    w_b, s_b, m_b = _load_w_elem(w_ptr, s_ptr, m_ptr, n_loc, n_mask, BK, K, stride_w, stride_s, BN, BK)
+    if SWAP:
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        w, s, m = w_a, s_a, m_a
+        w_a, s_a, m_a = w_b, s_b, m_b
+        w_b, s_b, m_b = _load_w_elem(w_ptr, s_ptr, m_ptr, n_loc, n_mask, k0 + 2 * BK, K,
+                                     stride_w, stride_s, BN, BK)
+        x_lo, x_hi = _load_x(x_ptr, xr, row_mask, k0, K, 1, BK)
+        w_lo, w_hi = _q4_elem(w, s, m)
+        if SWAP:
+            acc = tl.dot(w_lo, tl.trans(x_lo.to(tl.float16)), acc)
+            acc = tl.dot(w_hi, tl.trans(x_hi.to(tl.float16)), acc)
+        else:
+            acc = tl.dot(x_lo.to(tl.float16), tl.trans(w_lo), acc)
+            acc = tl.dot(x_hi.to(tl.float16), tl.trans(w_hi), acc)
+    if SWAP:
+        return tl.trans(acc)
+    else:
+        return acc
+
+
+@triton.jit
 def _rows_times_w(x_ptr, x_rows, row_mask, stride_x, w_ptr, s_ptr, m_ptr, n0, n_mask,
                   K, stride_w, stride_s, acc, FMT: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr):
+                  BK: tl.constexpr, ELEM: tl.constexpr = False, SWAP: tl.constexpr = False):
+    """acc[BM, BN] += x[x_rows, :K] @ W[n0 : n0 + BN, :K].T; ELEM/SWAP pick the q4 inner loop
+    (TileConfig), other formats have one."""
+    if ELEM and FMT == 1:
+        acc = acc + _rows_times_w_q4_elem(x_ptr, x_rows, row_mask, stride_x, w_ptr, s_ptr, m_ptr,
+                                          n0, n_mask, K, stride_w, stride_s, acc.shape[0], BN,
+                                          BK, SWAP)
+    else:
+        acc = _rows_times_w_block(x_ptr, x_rows, row_mask, stride_x, w_ptr, s_ptr, m_ptr, n0,
+                                  n_mask, K, stride_w, stride_s, acc, FMT, BN, BK)
+    return acc
+
+
+@triton.jit
+def _rows_times_w_block(x_ptr, x_rows, row_mask, stride_x, w_ptr, s_ptr, m_ptr, n0, n_mask,
+                        K, stride_w, stride_s, acc, FMT: tl.constexpr, BN: tl.constexpr,
+                        BK: tl.constexpr):
     """acc[BM, BN] += x[x_rows, :K] @ W[n0 : n0 + BN, :K].T over k tiles in increasing order.
 
     x_rows [BM] are row indices (a gather: MoE tiles use it); rows with row_mask False read 0,
@@ -189,7 +305,8 @@ def _rows_times_w(x_ptr, x_rows, row_mask, stride_x, w_ptr, s_ptr, m_ptr, n0, n_
 @triton.jit(do_not_specialize=["M", "stride_x", "stride_res", "stride_y"])
 def _linear_kernel(x_ptr, w_ptr, s_ptr, m_ptr, res_ptr, y_ptr, M, N, K, stride_x, stride_w,
                    stride_s, stride_res, stride_y, FMT: tl.constexpr, HAS_RES: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ELEM: tl.constexpr,
+                   SWAP: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -198,7 +315,7 @@ def _linear_kernel(x_ptr, w_ptr, s_ptr, m_ptr, res_ptr, y_ptr, M, N, K, stride_x
     n_mask = offs_n < N
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     acc = _rows_times_w(x_ptr, offs_m, m_mask, stride_x, w_ptr, s_ptr, m_ptr, pid_n * BN, n_mask,
-                        K, stride_w, stride_s, acc, FMT, BN, BK)
+                        K, stride_w, stride_s, acc, FMT, BN, BK, ELEM, SWAP)
     mask = m_mask[:, None] & n_mask[None, :]
     rows = offs_m.to(tl.int64)[:, None]
     if HAS_RES:
@@ -244,5 +361,6 @@ def linear(lin: Linear, x: torch.Tensor, out: torch.Tensor, residual: torch.Tens
     _linear_kernel[grid](x, w, s, m, res, out, n, lin.out_features, k, x.stride(0), sw, ss,
                          res.stride(0), out.stride(0), FMT=FMT_CODES[lin.fmt],
                          HAS_RES=residual is not None, BM=tile.bm, BN=tile.bn, BK=tile.bk,
-                         num_warps=tile.warps, num_stages=tile.stages)
+                         ELEM=tile.elem, SWAP=tile.swap, num_warps=tile.warps,
+                         num_stages=tile.stages)
     return out

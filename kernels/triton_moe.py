@@ -21,10 +21,10 @@ import triton.language as tl
 
 from kernels.linear import Linear
 from kernels.triton_int4 import (FMT_CODES, TileConfig, _rows_times_w, check_x, linear,
-                                 to_gpu_format, weight_args)
+                                 tile_from_env, to_gpu_format, weight_args)
 
 ROUTER_TILE = TileConfig(bm=16, bn=16, bk=256, warps=4, stages=2)  # many programs for few rows
-EXPERT_TILE = TileConfig(bm=16, bn=32, bk=128, warps=4, stages=2)
+EXPERT_TILE = tile_from_env("FEDSERVE_EXPERT_TILE", "16x32x128w4s2")
 SCAN = 64  # assignments examined per step when grouping (fixed)
 
 
@@ -172,7 +172,8 @@ def _slot_ptrs(w_ptr, s_ptr, m_ptr, arows_ptr, expert, stride_we, stride_se, T):
 def _moe_gate_up_kernel(x_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, m_ptr, inter_ptr, T, I, K,
                         stride_x, stride_we, stride_w, stride_se, stride_s, stride_inter,
                         FMT: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
-                        BN: tl.constexpr, BK: tl.constexpr):
+                        BN: tl.constexpr, BK: tl.constexpr, ELEM: tl.constexpr,
+                        SWAP: tl.constexpr):
     """inter[a, j] = silu(x[t] . Wg[e, j]) * (x[t] . Wu[e, j]) for the slot's assignments a
     (t = a // k); the tile's BN interleaved gate/up rows give BN // 2 outputs j."""
     expert, count = _slot(meta_ptr)
@@ -187,7 +188,8 @@ def _moe_gate_up_kernel(x_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, m_ptr, inter_p
         valid = m0 + tl.arange(0, BM) < count
         rows = tl.load(arows + m0 + tl.arange(0, BM), mask=valid, other=0)
         acc = _rows_times_w(x_ptr, rows // TOPK, valid, stride_x, w_e, s_e, m_e, n0, n_mask, K,
-                            stride_w, stride_s, tl.zeros((BM, BN), tl.float32), FMT, BN, BK)
+                            stride_w, stride_s, tl.zeros((BM, BN), tl.float32), FMT, BN, BK,
+                            ELEM, SWAP)
         g, u = tl.split(tl.reshape(acc, (BM, BN // 2, 2)))
         h = g / (1.0 + tl.exp(-g)) * u
         dst = inter_ptr + rows.to(tl.int64)[:, None] * stride_inter + cols[None, :]
@@ -197,7 +199,8 @@ def _moe_gate_up_kernel(x_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, m_ptr, inter_p
 @triton.jit(do_not_specialize=["T", "stride_inter", "stride_y"])
 def _moe_down_kernel(inter_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, m_ptr, y_ptr, T, N, K,
                      stride_inter, stride_we, stride_w, stride_se, stride_s, stride_y,
-                     FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                     FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     ELEM: tl.constexpr, SWAP: tl.constexpr):
     """y[a, n] = inter[a] . Wd[e, n] for the slot's assignments a."""
     expert, count = _slot(meta_ptr)
     if count == 0:
@@ -211,7 +214,8 @@ def _moe_down_kernel(inter_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, m_ptr, y_ptr,
         valid = m0 + tl.arange(0, BM) < count
         rows = tl.load(arows + m0 + tl.arange(0, BM), mask=valid, other=0)
         acc = _rows_times_w(inter_ptr, rows, valid, stride_inter, w_e, s_e, m_e, n0, n_mask,
-                            K, stride_w, stride_s, tl.zeros((BM, BN), tl.float32), FMT, BN, BK)
+                            K, stride_w, stride_s, tl.zeros((BM, BN), tl.float32), FMT, BN, BK,
+                            ELEM, SWAP)
         dst = y_ptr + rows.to(tl.int64)[:, None] * stride_y + offs_n[None, :]
         tl.store(dst, acc, mask=valid[:, None] & n_mask[None, :])
 
@@ -282,13 +286,13 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
     _moe_gate_up_kernel[(slots, triton.cdiv(2 * experts.inter, tile.bn))](
         x, meta, arows, w, s, m, inter, t, experts.inter, experts.hidden, x.stride(0), w.stride(0),
         w.stride(1), s.stride(0), s.stride(1) if s.dim() == 3 else 0, inter.stride(0), FMT=fmt,
-        TOPK=top_k, BM=tile.bm, BN=tile.bn, BK=tile.bk,
+        TOPK=top_k, BM=tile.bm, BN=tile.bn, BK=tile.bk, ELEM=tile.elem, SWAP=tile.swap,
         num_warps=tile.warps, num_stages=tile.stages)
     w, s, m = experts.down
     _moe_down_kernel[(slots, triton.cdiv(experts.hidden, tile.bn))](
         inter, meta, arows, w, s, m, y, t, experts.hidden, experts.inter, inter.stride(0),
         w.stride(0), w.stride(1), s.stride(0), s.stride(1) if s.dim() == 3 else 0, y.stride(0),
-        FMT=fmt, BM=tile.bm, BN=tile.bn, BK=tile.bk,
+        FMT=fmt, BM=tile.bm, BN=tile.bn, BK=tile.bk, ELEM=tile.elem, SWAP=tile.swap,
         num_warps=tile.warps, num_stages=tile.stages)
 
 

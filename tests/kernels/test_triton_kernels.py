@@ -56,6 +56,49 @@ def test_linear_matches_float64_reference(fmt, n, k, m):
     assert rel_err(out, lin.reference(x) + res.double()) < TOL[fmt]
 
 
+Q4_LOOPS = ["16x32x128w4:elem", "16x32x128w4:swap", "16x64x64w4:swap"]
+
+
+@pytest.mark.parametrize("spec", Q4_LOOPS)
+@pytest.mark.parametrize("n,k,m", [(48, 64, 1), (80, 160, 19), (72, 352, 40)])
+def test_q4_inner_loops_match_float64_and_the_block_loop(spec, n, k, m):
+    """The elementwise and swapped q4 loops: same math as the block loop (fp16 dequant, fp16
+    activations, fp32 accumulation), within the q4 bound of float64, NaN never passes."""
+    tile = triton_int4.TileConfig.parse(spec)
+    g = gen(n + k + m)
+    lin = triton_int4.to_gpu_format(quantize_q4(torch.randn(n, k, generator=g)))
+    x = torch.randn(m, k, generator=g)
+    res = torch.randn(m, n, generator=g)
+    out = triton_int4.linear(lin, x, nan(m, n), residual=res, tile=tile)
+    assert rel_err(out, lin.reference(x) + res.double()) < TOL["q4"]
+    block = triton_int4.linear(lin, x, nan(m, n), residual=res)
+    assert rel_err(out, block.double()) < 1e-5
+
+
+@pytest.mark.parametrize("spec", Q4_LOOPS)
+def test_q4_inner_loops_keep_a_row_bitwise_independent_of_its_batch(spec):
+    tile = triton_int4.TileConfig.parse(spec)
+    g = gen(2)
+    lin = triton_int4.to_gpu_format(quantize_q4(torch.randn(40, 128, generator=g)))
+    row = torch.randn(1, 128, generator=g)
+    alone = triton_int4.linear(lin, row, nan(1, 40), tile=tile)
+    # (the interpreter's dot is numpy's BLAS, whose bits can follow memory alignment in a full
+    # tile; tests/kernels/test_gpu.py checks full tiles on the GPU, where the dot is the MMA)
+    for batch, pos in ((1, 1), (5, 2), (20, 17)):
+        others = torch.randn(batch, 128, generator=g)
+        x = torch.cat([others[:pos], row, others[pos:]])
+        assert torch.equal(triton_int4.linear(lin, x, nan(batch + 1, 40), tile=tile)[pos], alone[0])
+
+
+def test_tile_specs_parse_and_reject_bad_ones():
+    t = triton_int4.TileConfig.parse("16x64x128w8s3:swap")
+    assert (t.bm, t.bn, t.bk, t.warps, t.stages, t.elem, t.swap) == (16, 64, 128, 8, 3, True, True)
+    assert triton_int4.TileConfig.parse(t.name) == t
+    for bad in ("16x64w4", "16x64x100w4", "16x64x128w4:fast", "8x32x128w4"):
+        with pytest.raises(ValueError):
+            triton_int4.TileConfig.parse(bad)
+
+
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_linear_row_is_bitwise_independent_of_its_batch(fmt):
     g = gen(1)
@@ -158,13 +201,13 @@ def _moe_setup(fmt, g, e=8, hidden=64, inter=32):
     return router, experts, triton_moe.StackedExperts.stack(experts)
 
 
-def _moe(x, router, stacked, top_k, residual=None):
+def _moe(x, router, stacked, top_k, residual=None, tile=None):
     t = x.shape[0]
     ids, wts = torch.full((t, top_k), -5, dtype=torch.int32), nan(t, top_k)
     triton_moe.route(x, router, top_k, True, ids, wts)
     inter = nan(t * top_k, stacked.inter).to(triton_moe.inter_dtype(stacked))
     y = nan(t * top_k, stacked.hidden)
-    triton_moe.experts_forward(x, ids, stacked, inter, y)
+    triton_moe.experts_forward(x, ids, stacked, inter, y, tile=tile or triton_moe.EXPERT_TILE)
     return ids, wts, triton_moe.combine(y, wts, nan(t, stacked.hidden), residual)
 
 
@@ -180,15 +223,20 @@ def test_moe_matches_float64_reference(fmt):
     assert rel_err(wts, rw) < TOL[fmt] and rel_err(out - res, rout) < TOL[fmt]
 
 
-def test_moe_token_is_bitwise_independent_of_its_batch():
+@pytest.mark.parametrize("spec", [None, "16x32x128w4:swap"])
+def test_moe_token_is_bitwise_independent_of_its_batch(spec):
+    tile = triton_moe.EXPERT_TILE if spec is None else triton_int4.TileConfig.parse(spec)
     g = gen(8)
-    router, _, stacked = _moe_setup("q4", g)
+    router, experts, stacked = _moe_setup("q4", g)
     row = torch.randn(1, 64, generator=g)
-    alone = _moe(row, router, stacked, 2)[2]
+    alone = _moe(row, router, stacked, 2, tile=tile)[2]
     for batch, pos in ((3, 1), (20, 20)):  # 21 tokens: some expert gets more than one tile
         others = torch.randn(batch, 64, generator=g)
         x = torch.cat([others[:pos], row, others[pos:]])
-        assert torch.equal(_moe(x, router, stacked, 2)[2][pos], alone[0])
+        ids, wts, out = _moe(x, router, stacked, 2, tile=tile)
+        assert torch.equal(out[pos], alone[0])
+    rids, rw, rout = triton_moe.moe_reference(x, router, experts, 2, True)
+    assert rel_err(out, rout) < TOL["q4"]
 
 
 # ---- the fused CUDA forward, interpreted, vs the CPU engine ----------------------------------------
