@@ -12,7 +12,7 @@ MODEL=synthetic:qwen3-30b-a3b-int4
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 
 stamp "kernel variants"
-timeout 150 python -m kernels.bench_gpu --no-attention --no-splitk --ms 1,8,64 \
+timeout 120 python -m kernels.bench_gpu --no-attention --no-splitk --ms 1,8,64 \
   --tiles 16x32x128w4s2,16x32x128w4s2:elem,16x32x128w4s2:swap,16x64x128w4s2:swap \
   --moe-tiles 16x32x128w4s2,16x32x128w4s2:elem,16x32x128w4s2:swap,16x64x128w4s2:swap \
   --json "$OUT/kernels.json"
@@ -48,18 +48,18 @@ PY
 cat "$OUT/picked.env"
 
 stamp "engine, the engine's own tiles (GPU-side greedy sampling)"
-timeout 110 python -m federation.cli bench engine --model $MODEL --streams 1,8,32,64 \
+timeout 100 python -m federation.cli bench engine --model $MODEL --streams 1,8,32,64 \
   --max-tokens 64 --device cuda --json "$OUT/engine_default.json"
 
 stamp "GPU tests with the picked tiles"
-( source "$OUT/picked.env"; timeout 170 python -m pytest -q -x tests/kernels/test_gpu.py \
+( source "$OUT/picked.env"; timeout 150 python -m pytest -q -x tests/kernels/test_gpu.py \
   tests/replica/test_runner.py 2>&1 | tail -25 )
 
 if grep -q "=16x32x128w4s2$" "$OUT/picked.env" && [ "$(grep -c '=16x32x128w4s2$' "$OUT/picked.env")" = 2 ]; then
   stamp "picked tiles are the engine's own: no second engine run"
 else
   stamp "engine, the picked tiles"
-  ( source "$OUT/picked.env"; timeout 110 python -m federation.cli bench engine --model $MODEL \
+  ( source "$OUT/picked.env"; timeout 100 python -m federation.cli bench engine --model $MODEL \
     --streams 1,8,32,64 --max-tokens 64 --device cuda --json "$OUT/engine_picked.json" )
 fi
 stamp done
