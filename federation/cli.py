@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--json", default=None, help="write results to this JSON file")
     be.add_argument("--compare-transformers", action="store_true")
     be.add_argument("--device", default="cpu")
+    be.add_argument("--profile", action="store_true",
+                    help="instead: profile the host side of the step loop at the largest --streams")
     bf = bsub.add_parser("federation", help="routing overhead and 1 vs 2 replica throughput")
     bf.add_argument("--model", default="smollm2-135m")
     bf.add_argument("--requests", type=int, default=50)
@@ -120,6 +122,9 @@ def cmd_up(args) -> int:
 def cmd_bench_engine(args) -> int:
     from replica import bench
 
+    if args.profile:
+        bench.profile_steps(args.model, max(args.streams), args.max_tokens, args.device)
+        return 0
     bench.run(args.model, args.streams, args.max_tokens, args.compare_transformers, args.json,
               {"device": args.device})
     return 0

@@ -22,7 +22,7 @@ class FederationConfig(BaseModel):
     ingress_num_cpus: float = Field(0.1, gt=0)
     device: str = "cpu"
     max_running_streams: int = Field(32, ge=1)  # per replica; 1 = serialized-decode mode
-    max_batch_tokens: int = Field(256, ge=1)
+    max_batch_tokens: int | None = Field(None, ge=1)  # None: the engine's per-device default
     kv_cache_bytes: int = Field(1 << 29, gt=0)
     max_queued_requests: int = Field(64, ge=0)  # beyond capacity; then 429
     router_policy: Literal["sticky", "round_robin"] = "sticky"

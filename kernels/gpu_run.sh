@@ -13,8 +13,8 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 
 stamp "kernel variants"
 timeout 120 python -m kernels.bench_gpu --no-attention --no-splitk --ms 1,8,64 \
-  --tiles 16x32x128w4s2,16x32x128w4s2:elem,16x32x128w4s2:swap,16x64x128w4s2:swap \
-  --moe-tiles 16x32x128w4s2,16x32x128w4s2:elem,16x32x128w4s2:swap,16x64x128w4s2:swap \
+  --tiles ${TILES:-16x32x128w4s2,16x32x128w4s2p4,16x32x256w4s2,16x64x128w8s2p4} \
+  --moe-tiles ${MOE_TILES:-16x32x128w4s2,16x32x128w4s2p4,16x32x256w4s2} \
   --json "$OUT/kernels.json"
 
 stamp "pick"
@@ -62,4 +62,7 @@ else
   ( source "$OUT/picked.env"; timeout 100 python -m federation.cli bench engine --model $MODEL \
     --streams 1,8,32,64 --max-tokens 64 --device cuda --json "$OUT/engine_picked.json" )
 fi
+stamp "host profile of the step loop, 64 streams, picked tiles"
+( source "$OUT/picked.env"; timeout 100 python -m federation.cli bench engine --model $MODEL \
+  --streams 64 --max-tokens 64 --device cuda --profile 2>&1 | head -45 )
 stamp done

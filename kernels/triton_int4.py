@@ -45,31 +45,37 @@ class TileConfig:
     stages: int = 3
     elem: bool = False
     swap: bool = False
+    prefetch: int = 2  # block loop: weight tiles loaded ahead of use (2 or 4)
 
 
     @classmethod
     def parse(cls, spec: str) -> "TileConfig":
-        """"16x32x128w4" [+ "s2"] [+ ":elem" | ":swap"] → TileConfig (benchmarks, env)."""
+        """"16x32x128w4" [+ "s2"] [+ "p4"] [+ ":elem" | ":swap"] → TileConfig (benchmarks,
+        env); p is the block loop's prefetch depth."""
         shape, _, loop = spec.partition(":")
         if loop not in ("", "block", "elem", "swap"):
             raise ValueError(f"tile {spec!r}: the q4 loop must be block, elem or swap")
         try:
             dims, _, rest = shape.partition("w")
+            rest, _, prefetch = rest.partition("p")
             warps, _, stages = rest.partition("s")
             bm, bn, bk = (int(v) for v in dims.split("x"))
             tile = cls(bm, bn, bk, int(warps), int(stages or 2), elem=loop in ("elem", "swap"),
-                       swap=loop == "swap")
+                       swap=loop == "swap", prefetch=int(prefetch or 2))
         except ValueError as e:
             raise ValueError(f"tile {spec!r}: expected BMxBNxBKwW[sS][:loop], e.g. "
                              f"16x32x128w4:swap") from e
         if bk % 32 or min(bm, bn, bk) < 16:
             raise ValueError(f"tile {spec!r}: BM, BN, BK must be >= 16 and BK a multiple of 32")
+        if tile.prefetch not in (2, 4) or (tile.prefetch != 2 and tile.elem):
+            raise ValueError(f"tile {spec!r}: prefetch is 2 or 4 (4: block loop only)")
         return tile
 
     @property
     def name(self) -> str:
         loop = ":swap" if self.swap else ":elem" if self.elem else ""
-        return f"{self.bm}x{self.bn}x{self.bk}w{self.warps}s{self.stages}{loop}"
+        pf = f"p{self.prefetch}" if self.prefetch != 2 else ""
+        return f"{self.bm}x{self.bn}x{self.bk}w{self.warps}s{self.stages}{pf}{loop}"
 
 
 def tile_from_env(var: str, default: str) -> TileConfig:
@@ -247,7 +253,8 @@ def _rows_times_w_q4_elem(x_ptr, x_rows, row_mask, stride_x, w_ptr, s_ptr, m_ptr
 @triton.jit
 def _rows_times_w(x_ptr, x_rows, row_mask, stride_x, w_ptr, s_ptr, m_ptr, n0, n_mask,
                   K, stride_w, stride_s, acc, FMT: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, ELEM: tl.constexpr = False, SWAP: tl.constexpr = False):
+                  BK: tl.constexpr, ELEM: tl.constexpr = False, SWAP: tl.constexpr = False,
+                  PF: tl.constexpr = 2):
     """acc[BM, BN] += x[x_rows, :K] @ W[n0 : n0 + BN, :K].T; ELEM/SWAP pick the q4 inner loop
     (TileConfig), other formats have one."""
     if ELEM and FMT == 1:
@@ -256,21 +263,38 @@ def _rows_times_w(x_ptr, x_rows, row_mask, stride_x, w_ptr, s_ptr, m_ptr, n0, n_
                                           BK, SWAP)
     else:
         acc = _rows_times_w_block(x_ptr, x_rows, row_mask, stride_x, w_ptr, s_ptr, m_ptr, n0,
-                                  n_mask, K, stride_w, stride_s, acc, FMT, BN, BK)
+                                  n_mask, K, stride_w, stride_s, acc, FMT, BN, BK, PF)
+    return acc
+
+
+@triton.jit
+def _tile_dot(acc, w, s, m, x_lo, x_hi, FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """acc += one k tile's x @ W.T, from the raw tile _load_w gave (the block loop)."""
+    if FMT == 1:
+        w_lo, w_hi = _dequant_q4(w, s, m, BN, BK)
+        acc = tl.dot(x_lo.to(tl.float16), tl.trans(w_lo), acc)
+        acc = tl.dot(x_hi.to(tl.float16), tl.trans(w_hi), acc)
+    elif FMT == 2:
+        wq = tl.reshape(tl.reshape(w.to(tl.float16), (BN, BK // 32, 32)) * s[:, :, None],
+                        (BN, BK))
+        acc = tl.dot(x_lo.to(tl.float16), tl.trans(wq), acc)
+    else:
+        acc = tl.dot(x_lo.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
     return acc
 
 
 @triton.jit
 def _rows_times_w_block(x_ptr, x_rows, row_mask, stride_x, w_ptr, s_ptr, m_ptr, n0, n_mask,
                         K, stride_w, stride_s, acc, FMT: tl.constexpr, BN: tl.constexpr,
-                        BK: tl.constexpr):
+                        BK: tl.constexpr, PF: tl.constexpr = 2):
     """acc[BM, BN] += x[x_rows, :K] @ W[n0 : n0 + BN, :K].T over k tiles in increasing order.
 
     x_rows [BM] are row indices (a gather: MoE tiles use it); rows with row_mask False read 0,
     and so do columns past K. n0 is the tile's first weight row; n_mask [BN] its valid rows.
     x may be float32 or float16 (q4/q8 round it to fp16 either way: the same bits).
-    Tiles are prefetched by hand (weights two ahead, activations one): Triton's pipeliner only
-    prefetches loads that feed a dot directly, and a dequantized tile does not.
+    Tiles are prefetched by hand (weights PF = 2 or 4 ahead, activations one): Triton's
+    pipeliner only prefetches loads that feed a dot directly, and a dequantized tile does not.
+    The depth changes when bytes are requested, never the arithmetic: same bits for any PF.
     """
     xr = x_rows[:, None] * stride_x  # int32: activations are far below 2**31 elements
     n_loc = tl.arange(0, BN)
@@ -282,23 +306,30 @@ def _rows_times_w_block(x_ptr, x_rows, row_mask, stride_x, w_ptr, s_ptr, m_ptr, 
     w_b, s_b, m_b = _load_w(w_ptr, s_ptr, m_ptr, n_loc, n_mask, BK, K, stride_w, stride_s,
                             FMT, BN, BK)
     x_lo_n, x_hi_n = _load_x(x_ptr, xr, row_mask, 0, K, FMT, BK)
-    for k0 in range(0, K, BK):
-        w, s, m = w_a, s_a, m_a
-        w_a, s_a, m_a = w_b, s_b, m_b
-        w_b, s_b, m_b = _load_w(w_ptr, s_ptr, m_ptr, n_loc, n_mask, k0 + 2 * BK, K, stride_w,
+    if PF == 4:
+        w_c, s_c, m_c = _load_w(w_ptr, s_ptr, m_ptr, n_loc, n_mask, 2 * BK, K, stride_w,
                                 stride_s, FMT, BN, BK)
-        x_lo, x_hi = x_lo_n, x_hi_n
-        x_lo_n, x_hi_n = _load_x(x_ptr, xr, row_mask, k0 + BK, K, FMT, BK)
-        if FMT == 1:
-            w_lo, w_hi = _dequant_q4(w, s, m, BN, BK)
-            acc = tl.dot(x_lo.to(tl.float16), tl.trans(w_lo), acc)
-            acc = tl.dot(x_hi.to(tl.float16), tl.trans(w_hi), acc)
-        elif FMT == 2:
-            wq = tl.reshape(tl.reshape(w.to(tl.float16), (BN, BK // 32, 32)) * s[:, :, None],
-                            (BN, BK))
-            acc = tl.dot(x_lo.to(tl.float16), tl.trans(wq), acc)
-        else:
-            acc = tl.dot(x_lo.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+        w_d, s_d, m_d = _load_w(w_ptr, s_ptr, m_ptr, n_loc, n_mask, 3 * BK, K, stride_w,
+                                stride_s, FMT, BN, BK)
+        for k0 in range(0, K, BK):
+            w, s, m = w_a, s_a, m_a
+            w_a, s_a, m_a = w_b, s_b, m_b
+            w_b, s_b, m_b = w_c, s_c, m_c
+            w_c, s_c, m_c = w_d, s_d, m_d
+            w_d, s_d, m_d = _load_w(w_ptr, s_ptr, m_ptr, n_loc, n_mask, k0 + 4 * BK, K,
+                                    stride_w, stride_s, FMT, BN, BK)
+            x_lo, x_hi = x_lo_n, x_hi_n
+            x_lo_n, x_hi_n = _load_x(x_ptr, xr, row_mask, k0 + BK, K, FMT, BK)
+            acc = _tile_dot(acc, w, s, m, x_lo, x_hi, FMT, BN, BK)
+    else:
+        for k0 in range(0, K, BK):
+            w, s, m = w_a, s_a, m_a
+            w_a, s_a, m_a = w_b, s_b, m_b
+            w_b, s_b, m_b = _load_w(w_ptr, s_ptr, m_ptr, n_loc, n_mask, k0 + 2 * BK, K,
+                                    stride_w, stride_s, FMT, BN, BK)
+            x_lo, x_hi = x_lo_n, x_hi_n
+            x_lo_n, x_hi_n = _load_x(x_ptr, xr, row_mask, k0 + BK, K, FMT, BK)
+            acc = _tile_dot(acc, w, s, m, x_lo, x_hi, FMT, BN, BK)
     return acc
 
 
@@ -306,7 +337,7 @@ def _rows_times_w_block(x_ptr, x_rows, row_mask, stride_x, w_ptr, s_ptr, m_ptr, 
 def _linear_kernel(x_ptr, w_ptr, s_ptr, m_ptr, res_ptr, y_ptr, M, N, K, stride_x, stride_w,
                    stride_s, stride_res, stride_y, FMT: tl.constexpr, HAS_RES: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ELEM: tl.constexpr,
-                   SWAP: tl.constexpr):
+                   SWAP: tl.constexpr, PF: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -315,7 +346,7 @@ def _linear_kernel(x_ptr, w_ptr, s_ptr, m_ptr, res_ptr, y_ptr, M, N, K, stride_x
     n_mask = offs_n < N
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     acc = _rows_times_w(x_ptr, offs_m, m_mask, stride_x, w_ptr, s_ptr, m_ptr, pid_n * BN, n_mask,
-                        K, stride_w, stride_s, acc, FMT, BN, BK, ELEM, SWAP)
+                        K, stride_w, stride_s, acc, FMT, BN, BK, ELEM, SWAP, PF)
     mask = m_mask[:, None] & n_mask[None, :]
     rows = offs_m.to(tl.int64)[:, None]
     if HAS_RES:
@@ -361,6 +392,6 @@ def linear(lin: Linear, x: torch.Tensor, out: torch.Tensor, residual: torch.Tens
     _linear_kernel[grid](x, w, s, m, res, out, n, lin.out_features, k, x.stride(0), sw, ss,
                          res.stride(0), out.stride(0), FMT=FMT_CODES[lin.fmt],
                          HAS_RES=residual is not None, BM=tile.bm, BN=tile.bn, BK=tile.bk,
-                         ELEM=tile.elem, SWAP=tile.swap, num_warps=tile.warps,
-                         num_stages=tile.stages)
+                         ELEM=tile.elem, SWAP=tile.swap, PF=tile.prefetch,
+                         num_warps=tile.warps, num_stages=tile.stages)
     return out

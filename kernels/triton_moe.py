@@ -173,7 +173,7 @@ def _moe_gate_up_kernel(x_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, m_ptr, inter_p
                         stride_x, stride_we, stride_w, stride_se, stride_s, stride_inter,
                         FMT: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
                         BN: tl.constexpr, BK: tl.constexpr, ELEM: tl.constexpr,
-                        SWAP: tl.constexpr):
+                        SWAP: tl.constexpr, PF: tl.constexpr):
     """inter[a, j] = silu(x[t] . Wg[e, j]) * (x[t] . Wu[e, j]) for the slot's assignments a
     (t = a // k); the tile's BN interleaved gate/up rows give BN // 2 outputs j."""
     expert, count = _slot(meta_ptr)
@@ -189,7 +189,7 @@ def _moe_gate_up_kernel(x_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, m_ptr, inter_p
         rows = tl.load(arows + m0 + tl.arange(0, BM), mask=valid, other=0)
         acc = _rows_times_w(x_ptr, rows // TOPK, valid, stride_x, w_e, s_e, m_e, n0, n_mask, K,
                             stride_w, stride_s, tl.zeros((BM, BN), tl.float32), FMT, BN, BK,
-                            ELEM, SWAP)
+                            ELEM, SWAP, PF)
         g, u = tl.split(tl.reshape(acc, (BM, BN // 2, 2)))
         h = g / (1.0 + tl.exp(-g)) * u
         dst = inter_ptr + rows.to(tl.int64)[:, None] * stride_inter + cols[None, :]
@@ -200,7 +200,7 @@ def _moe_gate_up_kernel(x_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, m_ptr, inter_p
 def _moe_down_kernel(inter_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, m_ptr, y_ptr, T, N, K,
                      stride_inter, stride_we, stride_w, stride_se, stride_s, stride_y,
                      FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     ELEM: tl.constexpr, SWAP: tl.constexpr):
+                     ELEM: tl.constexpr, SWAP: tl.constexpr, PF: tl.constexpr):
     """y[a, n] = inter[a] . Wd[e, n] for the slot's assignments a."""
     expert, count = _slot(meta_ptr)
     if count == 0:
@@ -215,7 +215,7 @@ def _moe_down_kernel(inter_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, m_ptr, y_ptr,
         rows = tl.load(arows + m0 + tl.arange(0, BM), mask=valid, other=0)
         acc = _rows_times_w(inter_ptr, rows, valid, stride_inter, w_e, s_e, m_e, n0, n_mask,
                             K, stride_w, stride_s, tl.zeros((BM, BN), tl.float32), FMT, BN, BK,
-                            ELEM, SWAP)
+                            ELEM, SWAP, PF)
         dst = y_ptr + rows.to(tl.int64)[:, None] * stride_y + offs_n[None, :]
         tl.store(dst, acc, mask=valid[:, None] & n_mask[None, :])
 
@@ -287,12 +287,14 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
         x, meta, arows, w, s, m, inter, t, experts.inter, experts.hidden, x.stride(0), w.stride(0),
         w.stride(1), s.stride(0), s.stride(1) if s.dim() == 3 else 0, inter.stride(0), FMT=fmt,
         TOPK=top_k, BM=tile.bm, BN=tile.bn, BK=tile.bk, ELEM=tile.elem, SWAP=tile.swap,
+        PF=tile.prefetch,
         num_warps=tile.warps, num_stages=tile.stages)
     w, s, m = experts.down
     _moe_down_kernel[(slots, triton.cdiv(experts.hidden, tile.bn))](
         inter, meta, arows, w, s, m, y, t, experts.hidden, experts.inter, inter.stride(0),
         w.stride(0), w.stride(1), s.stride(0), s.stride(1) if s.dim() == 3 else 0, y.stride(0),
         FMT=fmt, BM=tile.bm, BN=tile.bn, BK=tile.bk, ELEM=tile.elem, SWAP=tile.swap,
+        PF=tile.prefetch,
         num_warps=tile.warps, num_stages=tile.stages)
 
 

@@ -38,6 +38,7 @@ class Row:
     ttft_ms: float
     steps: int = 0
     ms_per_step: float = 0.0  # wall time per engine step (host + device)
+    decode_ms_per_step: float = 0.0  # wall per step once every stream has its first token
     gpu_ms_per_step: float = 0.0  # one decode step's CUDA graph, replayed alone
     gb_per_step: float = 0.0  # bytes a decode step must move at this concurrency
     roofline_pct: float = 0.0  # (gb_per_step / gpu_ms_per_step) / measured copy bandwidth
@@ -55,9 +56,12 @@ def bench_fedserve(engine: Engine, streams: int, max_tokens: int) -> Row:
     done = threading.Semaphore(0)
     tokens = [0]
 
-    def sink(ev) -> None:
+    last_first = [0.0, 0]  # (time, engine steps) when the last stream got its first token
+
+    def sink(ev) -> None:  # runs on the engine's thread, between steps
         if ev.token_ids and ev.request_id not in first:
-            first[ev.request_id] = time.perf_counter()
+            first[ev.request_id] = last_first[0] = time.perf_counter()
+            last_first[1] = engine.core.steps
         tokens[0] += len(ev.token_ids)
         if ev.finished:
             done.release()
@@ -68,11 +72,14 @@ def bench_fedserve(engine: Engine, streams: int, max_tokens: int) -> Row:
         engine.submit(r, sink)
     for _ in reqs:
         done.acquire()
-    dt = time.perf_counter() - t0
+    end = time.perf_counter()
+    dt = end - t0
     ttft = sum(first.values()) / len(first) - t0
     steps = engine.core.steps - steps0
+    decode_steps = engine.core.steps - last_first[1]
+    decode_ms = (end - last_first[0]) / decode_steps * 1e3 if decode_steps else 0.0
     return Row("fedserve", streams, tokens[0], dt, tokens[0] / dt, ttft * 1e3, steps,
-               dt / max(steps, 1) * 1e3)
+               dt / max(steps, 1) * 1e3, decode_ms)
 
 
 def bench_transformers(model_spec: str, streams_list: list[int], max_tokens: int) -> list[Row]:
@@ -199,6 +206,46 @@ def run(model: str, streams: list[int], max_tokens: int, compare: bool, json_pat
     return rows
 
 
+def profile_steps(model: str, streams: int, max_tokens: int, device: str = "cpu",
+                  top: int = 30) -> None:
+    """cProfile of EngineCore.step driven on this thread (after a warm-up run that builds the
+    kernels and captures the graphs): where a step's host time goes, by function."""
+    import cProfile
+    import pstats
+
+    from replica.config import EngineConfig
+    from replica.core import EngineCore
+
+    loaded = None
+    kwargs = {"device": device, "max_running_streams": max(64, streams)}
+    if device != "cpu":
+        kwargs["kv_cache_bytes"] = 16 << 30
+        if model.startswith("synthetic:"):
+            from replica.models.synthetic import synthetic_model
+
+            loaded = synthetic_model(model.removeprefix("synthetic:"), device=device)
+    core = EngineCore(EngineConfig(model=model, **kwargs), loaded=loaded)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    def run(tag: str) -> None:
+        for i, p in enumerate(_prompts(streams)):
+            req = Request(prompt=p, params=params, request_id=f"{tag}-{i}")
+            core.add(core.prepare(req), lambda ev: None)
+        while core.has_work:
+            core.step()
+
+    run("warm")
+    prof = cProfile.Profile()
+    steps0, t0 = core.steps, time.perf_counter()
+    prof.enable()
+    run("timed")
+    prof.disable()
+    dt = time.perf_counter() - t0
+    print(f"{streams} streams x {max_tokens} tokens: {core.steps - steps0} steps, "
+          f"{dt / (core.steps - steps0) * 1e3:.2f} ms/step (profiled)")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
 def format_table(rows: list[Row], synthetic: bool, model: str, copy_gbs: float | None = None) -> str:
     label = f"{model}{' (SYNTHETIC weights)' if synthetic else ''}"
     lines = [f"engine benchmark: {label}"]
@@ -206,12 +253,13 @@ def format_table(rows: list[Row], synthetic: bool, model: str, copy_gbs: float |
     if gpu:
         lines.append(f"measured device copy: {copy_gbs:.0f} GB/s (read + write); GB/step = weights "
                      f"a decode step touches (experts: expected under uniform routing) + KV read; "
-                     f"tok/s and ms/step: whole runs (prefill included); GPU ms/step and decode "
-                     f"tok/s: one decode step's CUDA graph replayed alone")
+                     f"tok/s and ms/step: whole runs (prefill included); decode ms: wall per "
+                     f"step once every stream decodes; GPU ms/step and decode tok/s: one decode "
+                     f"step's CUDA graph replayed alone")
     head = f"{'system':<13} {'streams':>7} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'TTFT ms':>8}"
     if gpu:
-        head += (f" {'ms/step':>8} {'GPU ms/step':>11} {'decode tok/s':>12} {'GB/step':>8} "
-                 f"{'%roofline':>9}")
+        head += (f" {'ms/step':>8} {'decode ms':>9} {'GPU ms/step':>11} {'decode tok/s':>12} "
+                 f"{'GB/step':>8} {'%roofline':>9}")
     lines.append(head)
     base = {r.streams: r for r in rows if r.system == "transformers"}
     for r in rows:
@@ -219,8 +267,9 @@ def format_table(rows: list[Row], synthetic: bool, model: str, copy_gbs: float |
                 f"{r.tok_per_s:>8.1f} {r.ttft_ms:>8.0f}")
         if gpu and r.system == "fedserve":
             dec = r.streams * 1e3 / r.gpu_ms_per_step if r.gpu_ms_per_step else 0.0
-            line += (f" {r.ms_per_step:>8.2f} {r.gpu_ms_per_step:>11.3f} {dec:>12.0f} "
-                     f"{r.gb_per_step:>8.2f} {r.roofline_pct:>9.1f}")
+            line += (f" {r.ms_per_step:>8.2f} {r.decode_ms_per_step:>9.2f} "
+                     f"{r.gpu_ms_per_step:>11.3f} {dec:>12.0f} {r.gb_per_step:>8.2f} "
+                     f"{r.roofline_pct:>9.1f}")
         lines.append(line)
     if base:
         lines.append("ratio fedserve/transformers (tok/s): " + ", ".join(

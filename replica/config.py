@@ -21,7 +21,8 @@ class EngineConfig:
     kv_cache_bytes: int = 1 << 30  # KV pool size when num_kv_blocks is not given
     num_kv_blocks: int | None = None
     max_running_streams: int = 64  # 1 = serialized-decode mode
-    max_batch_tokens: int = 256  # token budget of one step (decodes + prefill chunks)
+    max_batch_tokens: int | None = None  # token budget of one step (decodes + prefill chunks);
+    # None: 256 on CPU, 4096 on CUDA (see batch_tokens)
     max_waiting_streams: int = 4096
     retain_sessions: bool = True  # keep a session's KV after its turn for the next one
     threads: int | None = None  # CPU threads for kernels (None: torch's setting)
@@ -33,7 +34,7 @@ class EngineConfig:
             "kv_cache_bytes": self.kv_cache_bytes > 0,
             "num_kv_blocks": self.num_kv_blocks is None or self.num_kv_blocks >= 1,
             "max_running_streams": self.max_running_streams >= 1,
-            "max_batch_tokens": self.max_batch_tokens >= 1,
+            "max_batch_tokens": self.max_batch_tokens is None or self.max_batch_tokens >= 1,
             "max_waiting_streams": self.max_waiting_streams >= 0,
             "threads": self.threads is None or self.threads >= 1,
         }
@@ -43,6 +44,16 @@ class EngineConfig:
                                           param=name)
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise InvalidRequestError(f"unknown device {self.device!r}", param="device")
+
+    @property
+    def batch_tokens(self) -> int:
+        """The step's token budget. A GPU step of 4096 tokens costs little more than one of 256
+        (the weights are read once either way), so a burst of prompts prefills in one or two
+        steps instead of many; on CPU a step's time grows with its tokens, and 256 keeps
+        running streams' inter-token latency low while prompts are chunked in."""
+        if self.max_batch_tokens is not None:
+            return self.max_batch_tokens
+        return 256 if self.device == "cpu" else 4096
 
     @property
     def serialized(self) -> bool:

@@ -58,7 +58,7 @@ class EngineCore:
         self.pool = BlockPool(num_blocks, self.kv.poison if config.poison_freed_kv else None)
         self.sessions = SessionCache(self.pool, config.block_size)
         self.scheduler = Scheduler(self.pool, self.sessions, config.block_size,
-                                   config.max_running_streams, config.max_batch_tokens,
+                                   config.max_running_streams, config.batch_tokens,
                                    config.retain_sessions)
         self.runner = ModelRunner(self.model, self.kv)
         self._live: dict[str, _Live] = {}

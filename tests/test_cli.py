@@ -32,6 +32,14 @@ def test_bench_engine_prints_table_and_writes_json(tmp_path):
     assert all(r["tokens"] == 4 * r["streams"] and r["tok_per_s"] > 0 for r in data["rows"])
 
 
+def test_bench_engine_profile_reports_steps_and_the_step_function():
+    out = fedserve("bench", "engine", "--model", "synthetic:tiny-llama", "--streams", "1,3",
+                   "--max-tokens", "5", "--profile")
+    assert out.returncode == 0, out.stderr
+    assert "3 streams x 5 tokens: 5 steps" in out.stdout
+    assert "core.py" in out.stdout and "(step)" in out.stdout
+
+
 def test_generate_rejects_bad_values_with_a_clear_message():
     out = fedserve("generate", "hi", "--max-tokens", "0", "--model", "synthetic:tiny-llama")
     assert out.returncode == 2

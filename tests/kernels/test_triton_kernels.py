@@ -90,11 +90,27 @@ def test_q4_inner_loops_keep_a_row_bitwise_independent_of_its_batch(spec):
         assert torch.equal(triton_int4.linear(lin, x, nan(batch + 1, 40), tile=tile)[pos], alone[0])
 
 
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_prefetch_depth_changes_no_bits(fmt):
+    """The block loop's prefetch depth only moves loads earlier: bitwise the same output, also
+    with more k tiles than the depth and a K that is not a multiple of the tile."""
+    g = gen(4)
+    lin = triton_int4.to_gpu_format(FORMATS[fmt](torch.randn(48, 352, generator=g)))
+    x = torch.randn(5, 352, generator=g)
+    outs = [triton_int4.linear(lin, x, nan(5, 48), tile=triton_int4.TileConfig.parse(spec))
+            for spec in ("16x32x64w4", "16x32x64w4p4", "16x32x32w4p4")]
+    assert torch.equal(outs[0], outs[1])
+    assert rel_err(outs[2], lin.reference(x)) < TOL[fmt]
+
+
 def test_tile_specs_parse_and_reject_bad_ones():
     t = triton_int4.TileConfig.parse("16x64x128w8s3:swap")
     assert (t.bm, t.bn, t.bk, t.warps, t.stages, t.elem, t.swap) == (16, 64, 128, 8, 3, True, True)
     assert triton_int4.TileConfig.parse(t.name) == t
-    for bad in ("16x64w4", "16x64x100w4", "16x64x128w4:fast", "8x32x128w4"):
+    p4 = triton_int4.TileConfig.parse("16x32x128w4p4")
+    assert p4.prefetch == 4 and p4.stages == 2 and triton_int4.TileConfig.parse(p4.name) == p4
+    for bad in ("16x64w4", "16x64x100w4", "16x64x128w4:fast", "8x32x128w4", "16x32x128w4p3",
+                "16x32x128w4p4:swap"):
         with pytest.raises(ValueError):
             triton_int4.TileConfig.parse(bad)
 

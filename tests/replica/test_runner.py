@@ -71,3 +71,16 @@ def test_host_rows_fetches_only_what_is_read():
     assert rows[0].tolist() == [8.0, 9.0, 10.0, 11.0]
     with pytest.raises(KeyError):
         rows[1]
+
+
+def test_step_token_budget_defaults_by_device_and_obeys_an_explicit_one():
+    from replica.config import EngineConfig
+    from replica.errors import InvalidRequestError
+
+    assert EngineConfig().batch_tokens == 256
+    assert EngineConfig(device="cuda").batch_tokens == 4096
+    assert EngineConfig(device="cuda:1", max_batch_tokens=64).batch_tokens == 64
+    with pytest.raises(InvalidRequestError):
+        EngineConfig(max_batch_tokens=0)
+    core = small_core(synthetic_model("tiny-llama", seed=3), max_batch_tokens=None)
+    assert core.scheduler.max_batch_tokens == 256
