@@ -1,0 +1,102 @@
+"""Offline SASS of the q4 linear kernel's K loop, for sm_90, on a machine without a GPU.
+
+Triton ships ptxas and cuobjdump, so a kernel compiles to a cubin anywhere. This counts the
+instructions of the innermost loop per tile config. The GEMM loop is instruction-latency bound
+(kernels/GPU_NOTES.md, v5), so the count per weight predicts its M = 1 speed without spending
+device time.
+
+    python -m kernels.sass_report 16x32x128w4s2 16x32x128w4s2:elem
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels import triton_int4
+from kernels.triton_int4 import TileConfig
+
+CONSTEXPRS = ("FMT", "HAS_RES", "BM", "BN", "BK", "ELEM", "SWAP", "PF")
+# what the runtime specializes for our shapes (multiples of 16): without it every load is scalar
+DIV16 = {"x_ptr", "w_ptr", "s_ptr", "m_ptr", "res_ptr", "y_ptr", "N", "K", "stride_w", "stride_s"}
+_ADDR = re.compile(r"\s+/\*([0-9a-f]{4})\*/")
+
+
+@dataclass(frozen=True)
+class LoopReport:
+    tile: TileConfig
+    total: int  # instructions in the kernel
+    loop: int  # instructions in the longest backward-branch loop (the K loop)
+    ops: collections.Counter
+
+    @property
+    def per_weight(self) -> float:
+        return self.loop / (self.tile.bn * self.tile.bk / (32 * self.tile.warps))
+
+
+def compile_q4_linear(tile: TileConfig, arch: int = 90):
+    kern = triton_int4._linear_kernel
+    types, attrs = {}, {}
+    for i, name in enumerate(kern.arg_names):
+        if name in CONSTEXPRS:
+            types[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            types[name] = {"w_ptr": "*u8", "s_ptr": "*fp16", "m_ptr": "*fp16"}.get(name, "*fp32")
+        else:
+            types[name] = "i32"
+        if name in DIV16:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    consts = dict(FMT=1, HAS_RES=False, BM=tile.bm, BN=tile.bn, BK=tile.bk, ELEM=tile.elem,
+                  SWAP=tile.swap, PF=tile.prefetch)
+    return triton.compile(ASTSource(kern, types, consts, attrs), target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": tile.warps, "num_stages": tile.stages})
+
+
+def sass(cubin: bytes) -> str:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def loop_report(tile: TileConfig) -> LoopReport:
+    lines = [ln for ln in sass(compile_q4_linear(tile).asm["cubin"]).splitlines() if _ADDR.match(ln)]
+    addr = [int(_ADDR.match(ln).group(1), 16) for ln in lines]
+    span = (0, -1)
+    for a, ln in zip(addr, lines):
+        m = re.search(r"BRA\s+0x([0-9a-f]+)", ln)
+        if m and int(m.group(1), 16) < a and a - int(m.group(1), 16) > span[1] - span[0]:
+            span = (int(m.group(1), 16), a)
+    ops: collections.Counter = collections.Counter()
+    body = [ln for a, ln in zip(addr, lines) if span[0] <= a <= span[1]]
+    for ln in body:
+        m = re.search(r"\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", ln)
+        if m:
+            op = m.group(2)
+            ops[op if op.startswith("LDG") else op.split(".")[0]] += 1
+    return LoopReport(tile, len(lines), len(body), ops)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("tiles", nargs="*", default=[triton_int4.LINEAR_TILE.name])
+    for spec in ap.parse_args().tiles:
+        r = loop_report(TileConfig.parse(spec))
+        print(f"{spec}: kernel {r.total} instructions, K loop {r.loop} = {r.per_weight:.1f} per "
+              f"weight per thread")
+        print("    " + ", ".join(f"{o} {c}" for o, c in r.ops.most_common(14)))
+
+
+if __name__ == "__main__":
+    main()
