@@ -54,13 +54,30 @@ class StickyRouter(RequestRouter):
         self._directory = directory_actor(namespace=f"fedserve::{dep.app_name}::{dep.name}")
         self._inflight: Counter[str] = Counter()  # replica unique id → requests routed, not done
         self._routed: dict[str, str] = {}  # internal request id → replica unique id
+        # placements decided but not yet routed: a burst of new sessions must see each other
+        # before the first of them reaches on_request_routed
+        self._reserved: Counter[str] = Counter()
+        self._reservation: dict[str, str] = {}  # internal request id → reserved replica
         self._metrics = _Metrics()
 
     def _load(self, r: RunningReplica) -> tuple:
         stats = r.routing_stats or {}
         busy = stats.get("active_streams", 0) + stats.get("waiting_streams", 0)
-        return (max(busy, self._inflight[r.replica_id.unique_id]),
-                -stats.get("free_kv_blocks", 0), r.replica_id.unique_id)
+        rid = r.replica_id.unique_id
+        return (max(busy, self._inflight[rid]) + self._reserved[rid],
+                -stats.get("free_kv_blocks", 0), rid)
+
+    def _reserve(self, request: PendingRequest | None, rid: str | None) -> None:
+        """Count (rid) / release (None) the request's decided, not yet routed placement."""
+        key = request.metadata.internal_request_id if request is not None else None
+        if key is None:
+            return
+        old = self._reservation.pop(key, None)
+        if old is not None and self._reserved[old] > 0:
+            self._reserved[old] -= 1
+        if rid is not None:
+            self._reservation[key] = rid
+            self._reserved[rid] += 1
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None,
@@ -69,26 +86,30 @@ class StickyRouter(RequestRouter):
             return []
         candidate_replicas = _usable(candidate_replicas, pending_request)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        ranked = sorted(candidate_replicas, key=self._load)
         session = _payload(pending_request).get("session_key")
         if session is None:
+            ranked = sorted(candidate_replicas, key=self._load)
             return _ranks(ranked[0], ranked[1:])
         owner = await self._directory.lookup.remote(session)
+        ranked = sorted(candidate_replicas, key=self._load)  # after the await: current loads
         if owner in by_id:
             chosen, reason = by_id[owner], "sticky"
         else:
             holders = [r for r in ranked if session in (r.routing_stats or {}).get("resident_sessions", ())]
             chosen = holders[0] if holders else ranked[0]
             reason = "re-pin" if owner is not None else ("sticky" if holders else "new")
+            self._reserve(pending_request, chosen.replica_id.unique_id)  # no await since ranking
             winner = await self._directory.place.remote(session, chosen.replica_id.unique_id, owner)
-            if winner in by_id:
+            if winner in by_id and winner != chosen.replica_id.unique_id:
                 chosen = by_id[winner]
+                self._reserve(pending_request, winner)
         self._metrics.placed(reason)
         return _ranks(chosen, [r for r in ranked if r is not chosen])
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result) -> None:
         rid = replica_id.unique_id
+        self._reserve(pending_request, None)  # now counted as in flight
         self._inflight[rid] += 1
         self._routed[pending_request.metadata.internal_request_id] = rid
 
@@ -100,6 +121,7 @@ class StickyRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._inflight.pop(replica_id.unique_id, None)
+        self._reserved.pop(replica_id.unique_id, None)
         self._directory.drop_replica.remote(replica_id.unique_id)
 
 
