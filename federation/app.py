@@ -21,8 +21,10 @@ def build_app(config: FederationConfig | dict | None = None):
     """The federation as a Serve application (bind it with serve.run)."""
     cfg = config if isinstance(config, FederationConfig) else FederationConfig(**(config or {}))
     actor_options = {"num_cpus": cfg.replica_num_cpus}
-    if cfg.replica_num_gpus:
-        actor_options["num_gpus"] = cfg.replica_num_gpus
+    # an engine on cuda holds a whole GPU unless the config says otherwise
+    gpus = cfg.replica_num_gpus or (1 if cfg.device.startswith("cuda") else 0)
+    if gpus:
+        actor_options["num_gpus"] = gpus
     replica = serve.deployment(
         ReplicaServer,
         name="Replica",
