@@ -38,6 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--max-running-streams", type=int, default=32,
                    help="per replica; 1 = the serialized-decode mode")
     u.add_argument("--policy", choices=["sticky", "round_robin"], default="sticky")
+    u.add_argument("--api-key", action="append", default=[], dest="api_keys",
+                   help="accept this key (repeatable; also FEDSERVE_API_KEYS=k1,k2); each key "
+                        "is a tenant. Without keys, only 127.0.0.1 may be served")
+    u.add_argument("--rate-limit", type=float, default=0.0,
+                   help="requests per second per key (0: off); over it, 429 + Retry-After")
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
@@ -56,6 +61,20 @@ def build_parser() -> argparse.ArgumentParser:
     bf.add_argument("--streams", type=int, default=8)
     bf.add_argument("--max-tokens", type=int, default=48)
     bf.add_argument("--json", default=None)
+
+    st = sub.add_parser("status", help="one screen: replicas, their load, KV use and sessions")
+    st.add_argument("--url", default="http://127.0.0.1:8000", help="the federation's base URL")
+    st.add_argument("--api-key", default=None, help="sent as a Bearer token, where keys are required")
+    st.add_argument("--json", action="store_true", help="print the raw status JSON instead")
+
+    d = sub.add_parser("dashboards", help="the Grafana dashboard (fedserve and Ray Serve metrics)")
+    dsub = d.add_subparsers(dest="dashboards", required=True)
+    de = dsub.add_parser("export", help="write the dashboard JSON (stdout without --out)")
+    de.add_argument("--out", default=None)
+    dp = dsub.add_parser("push", help="create or replace the dashboard on a Grafana server")
+    dp.add_argument("--url", required=True, help="Grafana's base URL")
+    dp.add_argument("--token", required=True, help="a Grafana service-account token")
+    dp.add_argument("--folder-uid", default=None)
 
     # ---- loadtest: scenarios against any OpenAI-compatible URL (code in loadtest/) ----
     lt = sub.add_parser("loadtest", help="load tests and reproducers (reports: JSON, Markdown, PNG)")
@@ -106,15 +125,23 @@ def cmd_generate(args) -> int:
 def cmd_up(args) -> int:
     from pydantic import ValidationError
 
-    from federation.config import FederationConfig
+    import os
+
+    from federation.config import FederationConfig, check_exposure, env_api_keys
     from federation.launch import serve_until_signal
 
     try:
         cfg = FederationConfig(model=args.model, num_replicas=args.replicas,
                                max_running_streams=args.max_running_streams,
-                               router_policy=args.policy, one_replica_per_node=False)
+                               router_policy=args.policy, one_replica_per_node=False,
+                               api_keys=tuple(args.api_keys) + env_api_keys(dict(os.environ)),
+                               rate_limit_rps=args.rate_limit)
+        check_exposure(args.host, cfg)
     except ValidationError as e:
         print(f"error: {e.errors()[0]['loc'][0]}: {e.errors()[0]['msg']}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     return serve_until_signal(cfg, args.host, args.port)
 
@@ -130,12 +157,47 @@ def cmd_bench_engine(args) -> int:
     return 0
 
 
+def cmd_status(args) -> int:
+    import httpx
+
+    from federation.status import render
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        r = httpx.get(f"{args.url.rstrip('/')}/v1/fedserve/status", headers=headers, timeout=30)
+    except httpx.HTTPError as e:
+        print(f"error: {args.url}: {e}", file=sys.stderr)
+        return 1
+    if r.status_code != 200:
+        print(f"error: {args.url}: HTTP {r.status_code}: {r.text[:200]}", file=sys.stderr)
+        return 1
+    print(r.text if args.json else render(r.json()))
+    return 0
+
+
+def cmd_dashboards(args) -> int:
+    from federation import dashboards
+
+    if args.dashboards == "export":
+        text = dashboards.export(args.out)
+        if args.out is None:
+            sys.stdout.write(text)
+        return 0
+    answer = dashboards.push(args.url, args.token, args.folder_uid)
+    print(f"pushed {dashboards.UID!r}: {answer.get('status', answer)} {answer.get('url', '')}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "generate":
         return cmd_generate(args)
     if args.command == "up":
         return cmd_up(args)
+    if args.command == "status":
+        return cmd_status(args)
+    if args.command == "dashboards":
+        return cmd_dashboards(args)
     if args.command == "loadtest":
         return _loadtest_module(args.loadtest).main(args)
     if args.command == "bench" and args.bench == "engine":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class FederationConfig(BaseModel):
@@ -30,6 +30,19 @@ class FederationConfig(BaseModel):
     retry_after_s: int = Field(1, ge=1)
     max_body_bytes: int = Field(4 << 20, ge=1024)
     routing_stats_period_s: float = Field(1.0, gt=0)
+    # tenancy and admission (federation/tenancy.py): no keys = one open tenant (loopback only)
+    api_keys: tuple[str, ...] = ()
+    rate_limit_rps: float = Field(0.0, ge=0)  # per key; 0 = off
+    rate_limit_burst: float = Field(0.0, ge=0)  # 0: max(1, 2 × rate)
+    max_messages: int = Field(512, ge=1)  # messages in one chat request
+    max_completion_tokens: int = Field(16384, ge=1)  # max_tokens of one request
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(len(k.strip()) < 8 or k != k.strip() for k in v):
+            raise ValueError("API keys must be at least 8 characters, without surrounding spaces")
+        return v
 
     @property
     def name(self) -> str:
@@ -40,3 +53,18 @@ class FederationConfig(BaseModel):
         return {"model": self.model, "device": self.device,
                 "max_running_streams": self.max_running_streams,
                 "max_batch_tokens": self.max_batch_tokens, "kv_cache_bytes": self.kv_cache_bytes}
+
+
+def env_api_keys(environ: dict[str, str]) -> tuple[str, ...]:
+    """FEDSERVE_API_KEYS: comma-separated keys (the one place the environment is read for them)."""
+    return tuple(k.strip() for k in environ.get("FEDSERVE_API_KEYS", "").split(",") if k.strip())
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def check_exposure(host: str, cfg: FederationConfig) -> None:
+    """An open federation (no API keys) may listen on loopback only."""
+    if not cfg.api_keys and host not in LOOPBACK and not host.startswith("127."):
+        raise ValueError(f"refusing to serve on {host} without API keys: pass --api-key "
+                         "(or FEDSERVE_API_KEYS), or listen on 127.0.0.1")

@@ -1,11 +1,21 @@
 """The session directory: session key → replica, one named Ray actor per application, so the
-routers in every process agree where a session lives. It alone owns placement state."""
+routers in every process agree where a session lives. It alone owns placement state.
+
+It is a cache of what the replicas know, never the only copy: every replica reports the sessions
+whose KV it retains (`resident_sessions`), so a directory that restarted empty is refilled from
+them (`adopt`), and a router that cannot reach it places by those reports and by load.
+"""
 
 from __future__ import annotations
 
+import uuid
 from collections import Counter
 
 import ray
+
+# Ray gives the head node this resource; an actor that asks for a sliver of it lives there,
+# where losing a worker machine cannot take it
+HEAD_RESOURCE = "node:__internal_head__"
 
 
 class SessionDirectory:
@@ -13,9 +23,11 @@ class SessionDirectory:
 
     def __init__(self) -> None:
         self._where: dict[str, str] = {}
+        self.incarnation = uuid.uuid4().hex  # a restarted directory has a new one, and no state
 
-    def lookup(self, session: str) -> str | None:
-        return self._where.get(session)
+    def lookup(self, session: str) -> tuple[str | None, str]:
+        """(the session's replica or None, this directory's incarnation)."""
+        return self._where.get(session), self.incarnation
 
     def place(self, session: str, replica: str, expect: str | None = None) -> str:
         """Compare-and-set: place `session` on `replica` unless another router placed it
@@ -25,6 +37,17 @@ class SessionDirectory:
             return current
         self._where[session] = replica
         return replica
+
+    def adopt(self, resident: dict[str, list[str]]) -> int:
+        """Refill from replicas' reports {replica: sessions it retains}; a placement already
+        known wins. Returns how many sessions were added."""
+        added = 0
+        for replica in sorted(resident):
+            for session in resident[replica]:
+                if session not in self._where:
+                    self._where[session] = replica
+                    added += 1
+        return added
 
     def drop_replica(self, replica: str) -> list[str]:
         """Forget a dead replica; returns the sessions that lost their home."""
@@ -41,7 +64,10 @@ class SessionDirectory:
 
 
 def directory_actor(namespace: str, name: str = "fedserve_session_directory"):
-    """The application's directory actor (created on first use, detached)."""
-    cls = ray.remote(num_cpus=0, max_restarts=-1)(SessionDirectory)
+    """The application's directory actor (created on first use, detached, on the head node)."""
+    on_head = {}
+    if any(HEAD_RESOURCE in n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")):
+        on_head = {"resources": {HEAD_RESOURCE: 0.001}}
+    cls = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(SessionDirectory)
     return cls.options(name=name, namespace=namespace, get_if_exists=True,
-                       lifetime="detached").remote()
+                       lifetime="detached", **on_head).remote()

@@ -19,6 +19,8 @@ from pydantic import ValidationError
 
 from federation import openai_api as api
 from federation.config import FederationConfig
+from federation.tenancy import RateLimits, Tenants, namespaced
+from federation.metrics import IngressMetrics
 
 app = FastAPI(title="fedserve", docs_url=None, redoc_url=None)
 
@@ -29,6 +31,9 @@ _LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
 
 class _ReplicaLost(Exception):
     pass
+
+
+_ENGINE_DEAD = "engine_dead"  # a replica whose engine loop stopped: retry elsewhere
 
 
 @app.exception_handler(api.APIError)
@@ -47,20 +52,24 @@ class Ingress:
     """FastAPI ingress deployment body."""
 
     def __init__(self, replicas, config: dict) -> None:
-        from ray.serve.metrics import Counter
-
         self.cfg = FederationConfig(**config)
+        self.tenants = Tenants(self.cfg.api_keys)
+        self.limits = RateLimits(self.cfg.rate_limit_rps,
+                                 self.cfg.rate_limit_burst or 2 * self.cfg.rate_limit_rps)
         self.replicas = replicas
         self.active = 0
         self.capacity = self.cfg.num_replicas * self.cfg.max_running_streams + self.cfg.max_queued_requests
-        self.failovers = Counter("fedserve_failovers", description="Streams resubmitted after a replica died")
-        self.replayed = Counter("fedserve_replayed_tokens", description="Tokens replayed on failover")
+        self.metrics = IngressMetrics()
+        self.failovers, self.replayed = self.metrics.failovers, self.metrics.replayed
 
     # ---- routes -------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat(self, request: Request):
         body = await self._body(request, api.ChatRequest)
-        max_tokens = body.max_completion_tokens or body.max_tokens
+        if len(body.messages) > self.cfg.max_messages:
+            raise api.APIError(413, f"{len(body.messages)} messages exceed the limit of "
+                               f"{self.cfg.max_messages}", param="messages", code="too_many_messages")
+        max_tokens = self._max_tokens(body.max_completion_tokens or body.max_tokens)
         payload = {"messages": body.engine_messages(), "params": body.params(max_tokens)}
         return await self._run(request, body, payload, chat=True)
 
@@ -68,7 +77,7 @@ class Ingress:
     async def completions(self, request: Request):
         body = await self._body(request, api.CompletionRequest)
         key = "prompt_token_ids" if isinstance(body.prompt, list) else "prompt"
-        payload = {key: body.prompt, "params": body.params(body.max_tokens or 16)}
+        payload = {key: body.prompt, "params": body.params(self._max_tokens(body.max_tokens or 16))}
         return await self._run(request, body, payload, chat=False)
 
     @app.post("/v1/embeddings")
@@ -79,9 +88,7 @@ class Ingress:
         except ValueError as e:
             raise api.APIError(400, str(e), param="input")
         self._admit()
-        out = await self.replicas.embed.remote(texts)
-        if "error" in out:
-            raise api.APIError.from_event(out["error"])
+        out = await self._embed(texts)
         data = [{"object": "embedding", "index": i,
                  "embedding": api.encode_embedding(v, body.encoding_format)}
                 for i, v in enumerate(out["vectors"])]
@@ -91,7 +98,8 @@ class Ingress:
                             headers={"X-Session-ID": "", "X-Fedserve-Replica": out["replica"]})
 
     @app.get("/v1/models")
-    async def models(self):
+    async def models(self, request: Request):
+        self.tenants.authenticate(request.headers.get("authorization"))
         return {"object": "list", "data": [{"id": self.cfg.name, "object": "model",
                                             "created": 0, "owned_by": "fedserve"}]}
 
@@ -107,8 +115,31 @@ class Ingress:
             return JSONResponse({"status": "not ready", "reason": type(e).__name__}, status_code=503)
         return {"status": "ready", "model": info["model"]}
 
+    @app.get("/v1/fedserve/status")
+    async def status(self):
+        """Every replica's load, KV use and retained sessions (`fedserve status`)."""
+        from federation.status import gather
+
+        return {"model": self.cfg.name, "expected_replicas": self.cfg.num_replicas,
+                "ingress": {"active": self.active, "capacity": self.capacity},
+                "replicas": await gather(self.replicas, self.cfg.num_replicas)}
+
     # ---- plumbing -----------------------------------------------------------------------
+    def _max_tokens(self, n: int | None) -> int | None:
+        if n is not None and n > self.cfg.max_completion_tokens:
+            raise api.APIError(400, f"max_tokens={n} exceeds this federation's limit of "
+                               f"{self.cfg.max_completion_tokens}", param="max_tokens",
+                               code="max_tokens_too_large")
+        return n
+
     async def _body(self, request: Request, model_cls):
+        """The validated body of an authenticated, rate-admitted request (tenant on request.state)."""
+        request.state.tenant = self.tenants.authenticate(request.headers.get("authorization"))
+        try:
+            self.limits.admit(request.state.tenant)
+        except api.APIError:
+            self.metrics.rejected.inc(tags={"code": "rate_limited"})
+            raise
         raw = await request.body()
         if len(raw) > self.cfg.max_body_bytes:
             raise api.APIError(413, f"request body of {len(raw)} bytes exceeds the limit of "
@@ -131,6 +162,7 @@ class Ingress:
 
     def _admit(self) -> None:
         if self.active >= self.capacity:
+            self.metrics.rejected.inc(tags={"code": "overloaded"})
             raise api.APIError(429, "all replicas are busy and the queue is full; retry later",
                                type_="rate_limit_exceeded", code="overloaded",
                                headers={"Retry-After": str(self.cfg.retry_after_s)})
@@ -151,6 +183,8 @@ class Ingress:
             try:
                 async for ev in gen:
                     if "error" in ev:
+                        if ev["error"].get("code") == _ENGINE_DEAD:  # that replica is lost
+                            raise _ReplicaLost(ev["error"].get("message", _ENGINE_DEAD))
                         raise api.APIError.from_event(ev["error"])
                     last = ev["replica"]
                     emitted += ev["token_ids"]
@@ -161,19 +195,42 @@ class Ingress:
             except (_ReplicaLost, *_LOST) as e:
                 if last is not None:
                     dead.append(last)
-                if attempt == self.cfg.max_failovers:
-                    raise api.APIError(503, f"no replica could finish the stream after "
-                                       f"{attempt + 1} attempts ({type(e).__name__})",
-                                       type_="server_error", code="replicas_unavailable")
+                await self._before_retry(attempt, e)
                 self.failovers.inc()
                 if emitted:  # a Ray counter refuses inc(0); a loss before the first token replays none
                     self.replayed.inc(len(emitted))
-                await asyncio.sleep(0.2 * (attempt + 1))
+
+    async def _before_retry(self, attempt: int, e: BaseException) -> None:
+        """Back off before retry `attempt + 1` (exponential, capped: Serve needs a few seconds
+        to notice a lost node), or raise the clean 503 once the retries are spent."""
+        if attempt >= self.cfg.max_failovers:
+            raise api.APIError(503, f"no replica could finish the request after {attempt + 1} "
+                               f"attempts ({type(e).__name__})", type_="server_error",
+                               code="replicas_unavailable",
+                               headers={"Retry-After": str(self.cfg.retry_after_s)})
+        await asyncio.sleep(min(0.25 * 2 ** attempt, 4.0))
+
+    async def _embed(self, texts: list[str]) -> dict:
+        """Embeddings, retried on another replica when one is lost (nothing to replay)."""
+        for attempt in range(self.cfg.max_failovers + 1):
+            try:
+                out = await self.replicas.embed.remote(texts)
+            except _LOST as e:
+                await self._before_retry(attempt, e)
+                continue
+            if "error" in out:
+                if out["error"].get("code") == _ENGINE_DEAD:
+                    await self._before_retry(attempt, _ReplicaLost(_ENGINE_DEAD))
+                    continue
+                raise api.APIError.from_event(out["error"])
+            return out
+        raise AssertionError("unreachable: _before_retry raises on the last attempt")
 
     async def _run(self, request: Request, body, payload: dict, chat: bool):
         self._admit()
-        session = self._session(request, body)
-        payload.update(session_key=session, request_id=api.new_id("req"))
+        session = self._session(request, body)  # the client's key; behind us, the tenant's
+        payload.update(session_key=namespaced(request.state.tenant, session),
+                       request_id=api.new_id("req"))
         rid = api.new_id("chatcmpl" if chat else "cmpl")
         model = self.cfg.name
         events = self._events(payload)

@@ -8,12 +8,21 @@ session's replica is gone it is re-pinned by load. RoundRobinRouter: the plain b
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import logging
+import time
 from collections import Counter
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from federation.directory import directory_actor
+from federation.metrics import RouterMetrics
+
+log = logging.getLogger("fedserve.router")
+
+DIRECTORY_TIMEOUT_S = 2.0  # one directory call; beyond it the router places without it
+DIRECTORY_BACKOFF_S = 2.0  # after a failed call, how long the router does not ask again
 
 
 def _payload(request: PendingRequest | None) -> dict:
@@ -34,18 +43,6 @@ def _usable(candidates: list[RunningReplica], request: PendingRequest | None) ->
     return kept or candidates
 
 
-class _Metrics:
-    def __init__(self) -> None:
-        from ray.serve.metrics import Counter as MetricCounter
-
-        self.placements = MetricCounter("fedserve_router_placements",
-                                        description="Sessions placed, by reason",
-                                        tag_keys=("reason",))
-
-    def placed(self, reason: str) -> None:
-        self.placements.inc(tags={"reason": reason})
-
-
 class StickyRouter(RequestRouter):
     """Sticky by residency, then least-loaded."""
 
@@ -58,7 +55,37 @@ class StickyRouter(RequestRouter):
         # before the first of them reaches on_request_routed
         self._reserved: Counter[str] = Counter()
         self._reservation: dict[str, str] = {}  # internal request id → reserved replica
-        self._metrics = _Metrics()
+        self._metrics = RouterMetrics()
+        self._incarnation: str | None = None  # the directory's, as last seen
+        self._directory_down_until = 0.0
+
+    async def _ask(self, method, *args):
+        """A directory call, or None when the directory is unreachable or slow."""
+        if time.monotonic() < self._directory_down_until:
+            return None
+        try:
+            return await asyncio.wait_for(method.remote(*args), DIRECTORY_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - any failure means: route without it
+            self._directory_down_until = time.monotonic() + DIRECTORY_BACKOFF_S
+            log.warning("session directory unavailable (%s); routing by replica reports",
+                        type(e).__name__)
+            return None
+
+    async def _lookup(self, session: str, candidates: list[RunningReplica]) -> str | None:
+        """The session's owner per the directory; refills a directory seen restarted."""
+        answer = await self._ask(self._directory.lookup, session)
+        if answer is None:
+            return None
+        owner, incarnation = answer
+        if incarnation != self._incarnation:
+            resident = {r.replica_id.unique_id: list((r.routing_stats or {}).get("resident_sessions", ()))
+                        for r in candidates}
+            if self._incarnation is not None or any(resident.values()):
+                await self._ask(self._directory.adopt, resident)
+                answer = await self._ask(self._directory.lookup, session)
+                owner = answer[0] if answer is not None else None
+            self._incarnation = incarnation
+        return owner
 
     def _load(self, r: RunningReplica) -> tuple:
         stats = r.routing_stats or {}
@@ -90,7 +117,7 @@ class StickyRouter(RequestRouter):
         if session is None:
             ranked = sorted(candidate_replicas, key=self._load)
             return _ranks(ranked[0], ranked[1:])
-        owner = await self._directory.lookup.remote(session)
+        owner = await self._lookup(session, candidate_replicas)
         ranked = sorted(candidate_replicas, key=self._load)  # after the await: current loads
         if owner in by_id:
             chosen, reason = by_id[owner], "sticky"
@@ -99,7 +126,7 @@ class StickyRouter(RequestRouter):
             chosen = holders[0] if holders else ranked[0]
             reason = "re-pin" if owner is not None else ("sticky" if holders else "new")
             self._reserve(pending_request, chosen.replica_id.unique_id)  # no await since ranking
-            winner = await self._directory.place.remote(session, chosen.replica_id.unique_id, owner)
+            winner = await self._ask(self._directory.place, session, chosen.replica_id.unique_id, owner)
             if winner in by_id and winner != chosen.replica_id.unique_id:
                 chosen = by_id[winner]
                 self._reserve(pending_request, winner)

@@ -35,7 +35,8 @@ def _args(parser) -> None:
     parser.add_argument("--turns", type=int, default=3, help="turns per chat session")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--model", default="", help="default: the first of GET /v1/models")
-    parser.add_argument("--max-requests", type=int, default=0, help="stop after this many (0: no cap)")
+    parser.add_argument("--max-requests", type=int, default=0,
+                        help="stop once this many turns completed (0: run for -t)")
     parser.add_argument("--lt-out", default="loadtest-results", help="report directory")
 
 
@@ -70,7 +71,7 @@ class ChatUser(User):
         topic = TOPICS[hash(sid) % len(TOPICS)]
         history = [{"role": "system", "content": "You are a concise assistant."}]
         for turn in range(opts.turns):
-            if opts.max_requests and samples["requests"] >= opts.max_requests:
+            if opts.max_requests and len(samples["chat"]) >= opts.max_requests:
                 self.environment.runner.quit()
                 return
             samples["requests"] += 1

@@ -9,6 +9,7 @@ from typing import AsyncIterator
 from replica.config import EngineConfig
 from replica.engine import Engine
 from replica.errors import FedserveError
+from replica.metrics import ReplicaMetrics
 from replica.request import Request
 from replica.sampling import SamplingParams
 
@@ -23,6 +24,7 @@ class ReplicaServer:
 
     def __init__(self, engine_kwargs: dict) -> None:
         self.engine = Engine(EngineConfig(**engine_kwargs))
+        self.metrics = ReplicaMetrics()
         try:
             from ray import serve
 
@@ -44,7 +46,11 @@ class ReplicaServer:
                 resume_token_ids=tuple(payload.get("resume_token_ids") or ()),
                 request_id=payload["request_id"],
             )
+            timer = self.metrics.stream()
             async for ev in self.engine.stream(req):
+                timer.event(len(ev.token_ids))
+                if ev.finished:
+                    timer.finished(ev.finish_reason, ev.prompt_tokens, ev.cached_tokens)
                 yield {"text": ev.text, "token_ids": list(ev.token_ids), "finished": ev.finished,
                        "finish_reason": ev.finish_reason, "prompt_tokens": ev.prompt_tokens,
                        "completion_tokens": ev.completion_tokens,
@@ -69,6 +75,13 @@ class ReplicaServer:
         """Routing stats on demand; `routing` may carry {"avoid": [...]} to reach a given replica."""
         return self.record_routing_stats()
 
+    def stop_engine(self, routing: dict | None = None) -> str:
+        """Stop this replica's engine (an operator's drain, and the tests' way to fail a health
+        check): its streams end with engine_dead and move elsewhere, then Serve replaces it.
+        `routing` may carry {"avoid": [...]} to reach a given replica. Returns the replica id."""
+        self.engine.shutdown()
+        return self.replica_id
+
     def check_health(self) -> None:
         if not self.engine.is_alive:
             raise RuntimeError("the engine loop is dead")
@@ -76,7 +89,16 @@ class ReplicaServer:
     def record_routing_stats(self) -> dict:
         stats = self.engine.stats()
         stats["replica"] = self.replica_id
+        self.metrics.record_stats(stats, self._preemptions(stats))
         return stats
+
+    def _preemptions(self, stats: dict) -> int | None:
+        """The engine's preemption count. Engine.stats() does not report it yet, so until it
+        does this reads the scheduler's counter (an int, read without the loop's help)."""
+        if "num_preemptions" in stats:
+            return stats["num_preemptions"]
+        scheduler = getattr(getattr(self.engine, "core", None), "scheduler", None)
+        return getattr(scheduler, "num_preemptions", None)
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)

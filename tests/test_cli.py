@@ -49,3 +49,10 @@ def test_generate_rejects_bad_values_with_a_clear_message():
 def test_unknown_model_is_a_clear_error():
     out = fedserve("generate", "hi", "--model", "no-such-model")
     assert out.returncode == 2 and "no-such-model" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_up_refuses_a_public_address_without_api_keys():
+    out = fedserve("up", "--host", "0.0.0.0", "--port", "1")
+    assert out.returncode == 2 and "without API keys" in out.stderr and "Traceback" not in out.stderr
+    short = fedserve("up", "--host", "0.0.0.0", "--api-key", "short")
+    assert short.returncode == 2 and "api_keys" in short.stderr
