@@ -64,7 +64,16 @@ class RequestOutput:
 
 
 class Detokenizer:
-    """Output token ids → stable text; finds stop strings and truncates at the first one."""
+    """Output token ids → stable text; finds stop strings and truncates at the first one.
+
+    Incremental: a call decodes only the tokens after the last clean boundary (a point where
+    the text so far ends in a complete character), with the segment before that boundary as
+    left context, and searches for stop strings only where a new one can start. So a token
+    costs O(1) whatever the output's length. The text is exactly that of decoding all output
+    ids at once: a decode split at a clean boundary is the concatenation of its parts
+    (tests/replica/test_detokenizer.py checks it on the real tokenizer); a decoder for which
+    that fails is caught (the window's context text changed) and decoded whole.
+    """
 
     def __init__(self, tokenizer, stop: tuple[str, ...]) -> None:
         self.tokenizer = tokenizer
@@ -72,37 +81,74 @@ class Detokenizer:
         self.max_stop = max((len(s) for s in stop), default=0)
         self.emitted = 0  # characters of text already handed out
         self.stopped = False
+        # F, the text of the ids so far: F[:_len] is final (the text of ids[:_commit]) and only
+        # F[_base:_len] is kept. Decoding restarts at _anchor (<= _commit); the text of
+        # ids[_anchor:_commit] (_anchor_text) gives the new tokens their left context.
+        self._commit = 0
+        self._anchor = 0
+        self._anchor_text = ""
+        self._text = ""
+        self._base = 0
+        self._len = 0
 
     def text_of(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def stable(self, ids: list[int], final: bool) -> tuple[str, bool]:
-        """(text safe to hand out, whether a stop string was hit)."""
-        text = self.text_of(ids)
+    def _tail(self, ids: list[int]) -> str:
+        """F[_len:]: the text the tokens after _commit add."""
+        window = self.text_of(ids[self._anchor:])
+        if window.startswith(self._anchor_text):
+            return window[len(self._anchor_text):]
+        return self.text_of(ids)[self._len:]  # the context changed: decode it all
+
+    def _step(self, ids: list[int], final: bool) -> tuple[str, int, bool]:
+        """(F[emitted:end], end, stop hit): end is where the text safe to hand out ends."""
+        tail = self._tail(ids)
+        view = self._text + tail  # F[_base:]
+        base = self._base
         hit = -1
-        for s in self.stop:
-            i = text.find(s)
-            if i >= 0 and (hit < 0 or i < hit):
-                hit = i
+        if self.stop:  # F[:_len] held no stop string: a new one starts after _len - max_stop
+            start = max(0, self._len - self.max_stop + 1 - base)
+            for s in self.stop:
+                i = view.find(s, start)
+                if i >= 0 and (hit < 0 or i < hit):
+                    hit = i
         if hit >= 0:
-            return text[:hit], True
-        if final:
-            return text, False
-        keep = len(text)
-        while keep and text[keep - 1] == "\ufffd":  # an incomplete UTF-8 sequence
-            keep -= 1
-        for n in range(min(self.max_stop - 1, keep), 0, -1):  # a possible stop-string prefix
-            if any(s.startswith(text[keep - n: keep]) for s in self.stop):
-                keep -= n
-                break
-        return text[:keep], False
+            keep = hit
+        else:
+            keep = len(view)
+            if not final:
+                while keep and view[keep - 1] == "\ufffd":  # an incomplete UTF-8 sequence
+                    keep -= 1
+                # a possible stop-string prefix (never reaches before _base: see _trim)
+                for n in range(min(self.max_stop - 1, base + keep), 0, -1):
+                    if any(s.startswith(view[keep - n: keep]) for s in self.stop):
+                        keep -= n
+                        break
+        out = view[self.emitted - base: keep] if base + keep > self.emitted else ""
+        if hit < 0 and tail and not tail.endswith("\ufffd"):
+            self._anchor, self._anchor_text = self._commit, self.text_of(ids[self._commit:])
+            self._commit = len(ids)
+            self._text, self._len = view, self._len + len(tail)
+        return out, base + keep, hit >= 0
+
+    def _trim(self) -> None:
+        """Drop text that is handed out and can no longer be part of a new stop string.
+        _base <= _len - (max_stop - 1) keeps every stop-prefix check above inside the view."""
+        base = min(self.emitted, self._len - max(self.max_stop - 1, 0))
+        if base > self._base:
+            self._text = self._text[base - self._base:]
+            self._base = base
 
     def skip(self, ids: list[int]) -> None:
         """Resume: the text of `ids` was already delivered by the interrupted run."""
-        self.emitted = len(self.stable(ids, final=False)[0])
+        _, end, _ = self._step(ids, final=False)
+        self.emitted = max(self.emitted, end)
+        self._trim()
 
     def delta(self, ids: list[int], final: bool) -> str:
-        text, self.stopped = self.stable(ids, final)
-        out = text[self.emitted:]
-        self.emitted = max(self.emitted, len(text))
+        """The text that became stable since the last call; ids are all output ids so far."""
+        out, end, self.stopped = self._step(ids, final)
+        self.emitted = max(self.emitted, end)
+        self._trim()
         return out

@@ -80,7 +80,7 @@ class ModelRunner:
             table = s.block_table
             tables[r, : len(table)] = torch.tensor(table, dtype=torch.int32)
             first = len(ids)
-            ids.extend(s.tokens[c.start: c.end])
+            ids.extend(s.token_slice(c.start, c.end))
             p = range(c.start, c.end)
             pos.extend(p)
             slots.extend(table[i // bs] * bs + i % bs for i in p)
@@ -253,7 +253,7 @@ class _Graph:
         for c in record.chunks:
             s, p = c.stream, c.start
             table = s.block_table
-            toks.append(s.tokens[p])
+            toks.extend(s.token_slice(p, p + 1))
             pos.append(p)
             slots.append(table[p // block_size] * block_size + p % block_size)
             rows.append(table + [0] * (w - len(table)))
