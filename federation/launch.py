@@ -12,12 +12,15 @@ from federation.config import FederationConfig
 
 
 def start(cfg: FederationConfig, host: str = "127.0.0.1", port: int = 8000,
-          num_cpus: int | None = None, proxy_location: str = "EveryNode") -> str:
+          num_cpus: int | None = None, proxy_location: str = "EveryNode",
+          metrics_export_port: int | None = None) -> str:
     """Init Ray (local, loopback only), deploy the app, return the base URL.
 
     proxy_location: Serve's HTTP proxies ("EveryNode": one per machine, behind the cluster's
     load balancer; "HeadOnly": one, as a simulated cluster on one host needs, whose nodes would
-    otherwise all bind the same address and port)."""
+    otherwise all bind the same address and port).
+    metrics_export_port: where this node's Ray metrics agent serves the Prometheus scrape of
+    every process on it (fedserve_* and ray_serve_* included); None lets Ray pick one."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
     from ray import serve
@@ -28,7 +31,8 @@ def start(cfg: FederationConfig, host: str = "127.0.0.1", port: int = 8000,
         # replicas take fractional CPUs; advertise enough logical CPUs for all of them
         cpus = num_cpus or max(os.cpu_count() or 1,
                                int(cfg.num_replicas * cfg.replica_num_cpus + cfg.ingress_num_cpus) + 1)
-        ray.init(num_cpus=cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+        metrics = {"_metrics_export_port": metrics_export_port} if metrics_export_port else {}
+        ray.init(num_cpus=cpus, include_dashboard=False, _node_ip_address="127.0.0.1", **metrics,
                  runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})
     serve.start(http_options={"host": host, "port": port}, proxy_location=proxy_location)
     serve.run(build_app(cfg), name="fedserve", route_prefix="/", blocking=False)

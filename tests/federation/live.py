@@ -10,14 +10,15 @@ from federation.launch import free_port, wait_ready  # noqa: F401 (re-exported f
 
 
 @contextmanager
-def federation(**overrides):
-    """Deploy a federation on a local Ray; yields (base url, FederationConfig)."""
+def federation(metrics_export_port: int | None = None, **overrides):
+    """Deploy a federation on a local Ray; yields (base url, FederationConfig).
+    metrics_export_port: where Ray serves the node's Prometheus scrape (None: Ray picks)."""
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     from federation.launch import start, stop
 
     cfg = FederationConfig(**{"num_replicas": 2, "one_replica_per_node": False, **overrides})
     port = free_port()
-    url = start(cfg, "127.0.0.1", port, num_cpus=4)
+    url = start(cfg, "127.0.0.1", port, num_cpus=4, metrics_export_port=metrics_export_port)
     try:
         wait_ready(url)
         yield url, cfg
