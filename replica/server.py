@@ -75,6 +75,23 @@ class ReplicaServer:
         """Routing stats on demand; `routing` may carry {"avoid": [...]} to reach a given replica."""
         return self.record_routing_stats()
 
+    def check_integrity(self, routing: dict | None = None) -> dict:
+        """The KV pool's invariants, checked on the engine loop between steps (fuzzing and soak
+        tests ask every replica after a run). `routing` as for stop_engine."""
+        found: dict = {}
+
+        def check() -> None:
+            try:
+                self.engine.core.check_integrity()
+                found["ok"] = True
+            except Exception as e:  # noqa: BLE001 - reported, never raised into the loop
+                found["error"] = f"{type(e).__name__}: {e}"
+
+        if self.engine.is_alive:
+            self.engine.run_on_loop(check)
+        return {"replica": self.replica_id, "alive": self.engine.is_alive,
+                "ok": found.get("ok", False), "error": found.get("error")}
+
     def stop_engine(self, routing: dict | None = None) -> str:
         """Stop this replica's engine (an operator's drain, and the tests' way to fail a health
         check): its streams end with engine_dead and move elsewhere, then Serve replaces it.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 from collections import Counter
@@ -12,6 +13,8 @@ import httpx
 import openai
 import pytest
 import ray
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.federation.live import federation, replica_stats
 
@@ -185,6 +188,129 @@ def test_overload_gets_429_with_retry_after_and_disconnect_frees_kv(fed):
             break
         time.sleep(0.5)
     assert all(s["active_streams"] == 0 for s in stats.values()), stats
+
+
+# ---- fuzzing: generated and hostile inputs against the live endpoints -------------------------
+HOSTILE = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-(2 ** 70), max_value=2 ** 70),
+    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=40),
+    st.lists(st.integers(min_value=-5, max_value=200_000), max_size=6),
+    st.dictionaries(st.text(max_size=8), st.integers(), max_size=3))
+
+
+def mostly(valid, hostile=HOSTILE):
+    """Valid values three times in four, so generated requests reach the engine, not only the
+    validator; the hostile rest covers wrong types, huge numbers, NaN and unicode."""
+    return st.one_of(valid, valid, valid, hostile)
+
+
+SMALL_TOKENS = mostly(st.integers(min_value=1, max_value=3),
+                      st.one_of(st.integers(min_value=-3, max_value=0),
+                                st.integers(min_value=10 ** 6, max_value=2 ** 70),
+                                st.text(max_size=5), st.floats(allow_nan=True), st.booleans()))
+CONTENT = mostly(st.text(max_size=60), st.one_of(
+    st.none(), st.integers(),
+    st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", ""]),
+                                    "text": st.one_of(st.text(max_size=20), st.integers())}),
+             max_size=2)))
+MESSAGE = st.fixed_dictionaries({"role": mostly(st.sampled_from(["system", "user", "assistant",
+                                                                 "developer"])),
+                                 "content": CONTENT})
+SAMPLING = {"temperature": mostly(st.floats(0, 2)), "top_p": mostly(st.floats(0.01, 1)),
+            "top_k": mostly(st.integers(0, 50)), "seed": mostly(st.integers(0, 2 ** 63)),
+            "stop": mostly(st.lists(st.text(min_size=1, max_size=3), max_size=2)),
+            "n": mostly(st.just(1)), "stream": mostly(st.booleans()),
+            "stream_options": mostly(st.just({"include_usage": True})),
+            "session_id": mostly(st.text(max_size=20)), "ignore_eos": mostly(st.booleans()),
+            "max_completion_tokens": SMALL_TOKENS}
+
+
+def _body(fields: dict):
+    return st.fixed_dictionaries({"model": mostly(st.just(MODEL)), **fields},
+                                  optional={k: v for k, v in SAMPLING.items() if k not in fields})
+
+
+REQUESTS = st.one_of(
+    st.tuples(st.just("/v1/chat/completions"),
+              _body({"messages": mostly(st.lists(MESSAGE, min_size=0, max_size=4)),
+                     "max_tokens": SMALL_TOKENS})),
+    st.tuples(st.just("/v1/completions"),
+              _body({"prompt": mostly(st.text(max_size=60)), "max_tokens": SMALL_TOKENS})),
+    st.tuples(st.just("/v1/embeddings"),
+              st.fixed_dictionaries({"model": mostly(st.just(MODEL)),
+                                     "input": mostly(st.text(max_size=40)),
+                                     "encoding_format": st.one_of(st.sampled_from(["float", "base64"]),
+                                                                  HOSTILE)})),
+    st.tuples(st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]),
+              st.one_of(st.binary(max_size=80), st.text(max_size=80).map(str.encode))),
+)
+
+
+def every_replica(method: str, n: int) -> dict[str, dict]:
+    """Call `method` on each of the n replicas (reached through the router's avoid list)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("Replica", app_name="fedserve")
+    seen: dict[str, dict] = {}
+    for _ in range(n * 4):
+        out = getattr(handle, method).remote({"avoid": list(seen)}).result(timeout_s=60)
+        seen[out["replica"]] = out
+        if len(seen) == n:
+            break
+    return seen
+
+
+def test_fuzzed_requests_get_4xx_json_or_a_200_and_never_a_5xx(fed):
+    url, cfg = fed
+    seen: Counter = Counter()
+    with httpx.Client(timeout=120) as c:
+        @settings(max_examples=520, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(REQUESTS)
+        def one(req):
+            path, body = req
+            raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+            r = c.post(f"{url}{path}", content=raw, headers={"Content-Type": "application/json"})
+            seen[r.status_code] += 1
+            assert r.status_code < 500, (path, raw[:300], r.status_code, r.text[:300])
+            if r.status_code != 200:
+                err = r.json()["error"]
+                assert err["message"] and err["type"] and "Traceback" not in err["message"]
+            elif b'"stream": true' not in raw:
+                r.json()
+
+        one()
+    assert sum(seen.values()) >= 500 and seen[200] > 0 and sum(v for k, v in seen.items() if k >= 400) > 0, seen
+    assert all(v["alive"] and v["ok"] for v in every_replica("check_integrity", cfg.num_replicas).values())
+    assert chat(url, [{"role": "user", "content": "still there?"}]).status_code == 200
+
+
+def test_truncated_clients_and_partial_bodies_leave_the_server_healthy(fed):
+    url, cfg = fed
+    host, port = url.removeprefix("http://").split(":")
+    # slow and broken bodies: a declared length never sent, then the connection dropped or stalled
+    stalled = []
+    for declared, sent in ((1000, b'{"model": "'), (50, b""), (10, b"{}" * 20)):
+        s = socket.create_connection((host, int(port)), timeout=30)
+        s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json"
+                  f"\r\nContent-Length: {declared}\r\n\r\n".encode() + sent)
+        stalled.append(s)
+    stalled.pop().close()
+    # streams whose clients walk away after a few frames
+    for i in range(4):
+        body = {"model": MODEL, "prompt": f"Count to fifty, number {i}:", "max_tokens": 200, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            for k, _ in enumerate(r.iter_lines()):
+                if k > 3:
+                    break
+    assert chat(url, [{"role": "user", "content": "hello while others stall"}]).status_code == 200
+    for s in stalled:
+        s.close()
+    deadline = time.time() + 60
+    while any(s["active_streams"] for s in replica_stats(cfg.num_replicas).values()):
+        assert time.time() < deadline, "abandoned streams were not cancelled"
+        time.sleep(0.5)
+    assert all(v["alive"] and v["ok"] for v in every_replica("check_integrity", cfg.num_replicas).values())
 
 
 def test_z_killing_the_streaming_replica_is_invisible_to_the_client(fed):
