@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--api-key", action="append", default=[], dest="api_keys",
                    help="accept this key (repeatable; also FEDSERVE_API_KEYS=k1,k2); each key "
                         "is a tenant. Without keys, only 127.0.0.1 may be served")
+    u.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Ray's Prometheus scrape (fedserve_* and ray_serve_*) on this port")
     u.add_argument("--rate-limit", type=float, default=0.0,
                    help="requests per second per key (0: off); over it, 429 + Retry-After")
 
@@ -143,7 +145,7 @@ def cmd_up(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return serve_until_signal(cfg, args.host, args.port)
+    return serve_until_signal(cfg, args.host, args.port, args.metrics_port)
 
 
 def cmd_bench_engine(args) -> int:

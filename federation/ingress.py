@@ -116,9 +116,11 @@ class Ingress:
         return {"status": "ready", "model": info["model"]}
 
     @app.get("/v1/fedserve/status")
-    async def status(self):
+    async def status(self, request: Request):
         """Every replica's load, KV use and retained sessions (`fedserve status`)."""
         from federation.status import gather
+
+        self.tenants.authenticate(request.headers.get("authorization"))
 
         return {"model": self.cfg.name, "expected_replicas": self.cfg.num_replicas,
                 "ingress": {"active": self.active, "capacity": self.capacity},

@@ -70,18 +70,22 @@ def stop() -> None:
         ray.shutdown()
 
 
-def serve_until_signal(cfg: FederationConfig, host: str, port: int) -> int:
+def serve_until_signal(cfg: FederationConfig, host: str, port: int,
+                       metrics_export_port: int | None = None) -> int:
     """`fedserve up`: deploy, print how to call it, serve until SIGINT/SIGTERM, shut down."""
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
-    url = start(cfg, host, port)
+    url = start(cfg, host, port, metrics_export_port=metrics_export_port)
     try:
         print(f"fedserve is serving {cfg.name!r} with {cfg.num_replicas} replica(s) at {url}/v1",
               flush=True)
         print(f"""try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{cfg.name}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'""",
               flush=True)
+        if metrics_export_port:
+            print(f"Prometheus scrape: http://127.0.0.1:{metrics_export_port}/metrics "
+                  f"(status: fedserve status --url {url})", flush=True)
         done.wait()
         print("shutting down", flush=True)
     finally:
