@@ -1,11 +1,12 @@
 """Offline SASS of the q4 linear kernel's K loop, for sm_90, on a machine without a GPU.
 
 Triton ships ptxas and cuobjdump, so a kernel compiles to a cubin anywhere. This counts the
-instructions of the innermost loop per tile config. The GEMM loop is instruction-latency bound
-(kernels/GPU_NOTES.md, v5), so the count per weight predicts its M = 1 speed without spending
-device time.
+instructions of the innermost loop per tile config (the inline-PTX dequant, as on the GPU).
+Instructions per weight predict the loop's speed without spending device time, and a loop
+that stores to shared memory (STS) shows a tile where Triton did not load the raw bytes
+straight into the MMA operand layout.
 
-    python -m kernels.sass_report 16x32x128w4s2 16x32x128w4s2:elem
+    python -m kernels.sass_report 16x64x128w1s3 16x64x128w4s3
 """
 
 from __future__ import annotations
@@ -22,18 +23,19 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import triton_int4
-from kernels.triton_int4 import TileConfig
+from kernels import triton_q4
+from kernels.triton_q4 import Q4Tile
 
-CONSTEXPRS = ("FMT", "HAS_RES", "BM", "BN", "BK", "ELEM", "SWAP", "PF")
+CONSTEXPRS = ("HAS_RES", "BM", "BN", "NB", "S", "ASM")
 # what the runtime specializes for our shapes (multiples of 16): without it every load is scalar
-DIV16 = {"x_ptr", "w_ptr", "s_ptr", "m_ptr", "res_ptr", "y_ptr", "N", "K", "stride_w", "stride_s"}
+DIV16 = {"x_ptr", "w_ptr", "sm_ptr", "res_ptr", "y_ptr", "ws_ptr", "tickets_ptr", "N", "K",
+         "stride_x"}
 _ADDR = re.compile(r"\s+/\*([0-9a-f]{4})\*/")
 
 
 @dataclass(frozen=True)
 class LoopReport:
-    tile: TileConfig
+    tile: Q4Tile
     total: int  # instructions in the kernel
     loop: int  # instructions in the longest backward-branch loop (the K loop)
     ops: collections.Counter
@@ -42,21 +44,24 @@ class LoopReport:
     def per_weight(self) -> float:
         return self.loop / (self.tile.bn * self.tile.bk / (32 * self.tile.warps))
 
+    @property
+    def shared_stores(self) -> int:
+        return self.ops["STS"]
 
-def compile_q4_linear(tile: TileConfig, arch: int = 90):
-    kern = triton_int4._linear_kernel
+
+def compile_q4_linear(tile: Q4Tile, arch: int = 90, split: int = 1):
+    kern = triton_q4._q4_linear_kernel
     types, attrs = {}, {}
     for i, name in enumerate(kern.arg_names):
         if name in CONSTEXPRS:
             types[name] = "constexpr"
         elif name.endswith("_ptr"):
-            types[name] = {"w_ptr": "*u8", "s_ptr": "*fp16", "m_ptr": "*fp16"}.get(name, "*fp32")
+            types[name] = {"w_ptr": "*u8", "sm_ptr": "*fp16", "tickets_ptr": "*i32"}.get(name, "*fp32")
         else:
             types[name] = "i32"
         if name in DIV16:
             attrs[(i,)] = [["tt.divisibility", 16]]
-    consts = dict(FMT=1, HAS_RES=False, BM=tile.bm, BN=tile.bn, BK=tile.bk, ELEM=tile.elem,
-                  SWAP=tile.swap, PF=tile.prefetch)
+    consts = dict(HAS_RES=False, BM=tile.bm, BN=tile.bn, NB=tile.nb, S=split, ASM=True)
     return triton.compile(ASTSource(kern, types, consts, attrs), target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": tile.warps, "num_stages": tile.stages})
 
@@ -70,14 +75,18 @@ def sass(cubin: bytes) -> str:
                               check=True).stdout
 
 
-def loop_report(tile: TileConfig) -> LoopReport:
+def loop_report(tile: Q4Tile) -> LoopReport:
     lines = [ln for ln in sass(compile_q4_linear(tile).asm["cubin"]).splitlines() if _ADDR.match(ln)]
     addr = [int(_ADDR.match(ln).group(1), 16) for ln in lines]
-    span = (0, -1)
+    spans = []  # backward branches: (target, branch) address ranges
     for a, ln in zip(addr, lines):
         m = re.search(r"BRA\s+0x([0-9a-f]+)", ln)
-        if m and int(m.group(1), 16) < a and a - int(m.group(1), 16) > span[1] - span[0]:
-            span = (int(m.group(1), 16), a)
+        if m and int(m.group(1), 16) < a:
+            spans.append((int(m.group(1), 16), a))
+    # the K loop: the innermost loop that holds the MMAs
+    mma = [a for a, ln in zip(addr, lines) if "HMMA" in ln]
+    loops = [sp for sp in spans if any(sp[0] <= a <= sp[1] for a in mma)]
+    span = min(loops, key=lambda sp: sp[1] - sp[0]) if loops else (0, -1)
     ops: collections.Counter = collections.Counter()
     body = [ln for a, ln in zip(addr, lines) if span[0] <= a <= span[1]]
     for ln in body:
@@ -90,9 +99,9 @@ def loop_report(tile: TileConfig) -> LoopReport:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("tiles", nargs="*", default=[triton_int4.LINEAR_TILE.name])
+    ap.add_argument("tiles", nargs="*", default=[triton_q4.LINEAR_TILE.name])
     for spec in ap.parse_args().tiles:
-        r = loop_report(TileConfig.parse(spec))
+        r = loop_report(Q4Tile.parse(spec))
         print(f"{spec}: kernel {r.total} instructions, K loop {r.loop} = {r.per_weight:.1f} per "
               f"weight per thread")
         print("    " + ", ".join(f"{o} {c}" for o, c in r.ops.most_common(14)))

@@ -8,7 +8,13 @@ head in one tile (GQA). A token whose context fits one split writes its output d
 ones write partials, merged by a second kernel in split order. How a token's keys are cut
 depends only on its own ctx_len, never on the batch, the grid, or the block-table width, so a
 stream's bits are the same alone, batched, padded into a CUDA-graph bucket, or prefilled in
-chunks. Scores and the weighted sum are fp32-accurate (tf32x3: three tf32 tensor-core products).
+chunks.
+
+KV dtype: float32 or bfloat16 caches (bf16 on CUDA halves the bytes a decode step reads); the
+arithmetic is fp32 either way. fp32 K/V: scores and the weighted sum are fp32-accurate (tf32x3:
+three tf32 tensor-core products). bf16 K/V are exact in bf16, so only q and p need splitting:
+each is a bf16 high part plus a bf16 remainder (16 significant bits together), two bf16 MMAs
+with fp32 accumulation per product.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ import triton
 import triton.language as tl
 
 SPLIT = 512  # keys per split (fixed: a property of the kernel, not of the batch)
-BLOCK_N = 32  # keys per inner tile; SPLIT % BLOCK_N == 0
+BLOCK_N = 32  # keys per inner tile (fp32 K/V); SPLIT % BLOCK_N == 0
+BLOCK_N_BF16 = 64  # keys per inner tile (bf16 K/V: the same bytes per tile as fp32's 32)
 PRECISION = "tf32x3"  # fp32-accurate dots on the tensor cores (three tf32 products)
 
 
@@ -35,12 +42,31 @@ def _kv_tile(k_ptr, v_ptr, bt_ptr, row, stride_bt, start, hi, kvh, KVH: tl.const
     return k, v, valid
 
 
+@triton.jit
+def _dot_f32(a, b, PREC: tl.constexpr, MMA: tl.constexpr):
+    """a @ b in fp32 with a float32. b float32: tf32x3 (PREC); b bfloat16 (exact in bf16): a
+    as bf16 high part + bf16 remainder, two bf16 MMAs (MMA; the interpreter's bf16 dot is
+    broken, so there the split parts meet b upcast in an fp32 dot: the same products)."""
+    if b.dtype == tl.bfloat16:
+        a_hi = a.to(tl.bfloat16)
+        a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
+        if MMA:
+            return tl.dot(a_lo, b, tl.dot(a_hi, b))
+        else:
+            bf = b.to(tl.float32)
+            return tl.dot(a_lo.to(tl.float32), bf, tl.dot(a_hi.to(tl.float32), bf,
+                                                         input_precision="ieee"),
+                          input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PREC)
+
+
 @triton.jit(do_not_specialize=["stride_bt", "max_splits"])
 def _attn_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, row_ptr, ctx_ptr, out_ptr, pacc_ptr, pml_ptr,
                        stride_bt, max_splits, scale,
                        H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, SPLIT: tl.constexpr,
-                       BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+                       BLOCK_N: tl.constexpr, PREC: tl.constexpr, MMA: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -72,13 +98,13 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, row_ptr, ctx_ptr, out_ptr, p
         # the next tile's loads are in flight while this one is computed
         k_n, v_n, valid_n = _kv_tile(k_ptr, v_ptr, bt_ptr, row, stride_bt, start + BLOCK_N, hi,
                                      kvh, KVH, D, BS, BLOCK_N)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC)  # [GROUP_PAD, BLOCK_N]
+        s = _dot_f32(q, tl.trans(k), PREC, MMA)  # [GROUP_PAD, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
+        acc = acc * alpha[:, None] + _dot_f32(p, v, PREC, MMA)
         m_i = m_new
     if n_splits == 1:
         tl.store(out_rows, acc / l_i[:, None], mask=g_mask[:, None])
@@ -116,22 +142,28 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, tok_row: torch.Tensor, ctx_lens: torch.Tensor,
                     scale: float, out: torch.Tensor, split: int = SPLIT) -> torch.Tensor:
     """q [T, H, D]; caches [num_blocks, block_size, KVH, D]; block_tables [S, MB] int32;
-    tok_row/ctx_lens [T] int32 → out [T, H, D]. All float32. No host sync: the grid's split
-    count comes from the table width (MB * block_size keys at most)."""
+    tok_row/ctx_lens [T] int32 → out [T, H, D]. q and out float32, the caches float32 or
+    bfloat16. No host sync: the grid's split count comes from the table width (MB * block_size
+    keys at most)."""
     t, h, d = q.shape
     nb, bs, kvh, d2 = k_cache.shape
     if d2 != d or d & (d - 1) or h % kvh or v_cache.shape != k_cache.shape:
         raise ValueError("paged_attention: inconsistent q/cache shapes (head_dim a power of two)")
-    for ten, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"), (out, "out")):
+    for ten, name in ((q, "q"), (out, "out")):
         if ten.dtype != torch.float32 or not ten.is_contiguous():
             raise ValueError(f"paged_attention: {name} must be contiguous float32")
+    if (k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype
+            or not k_cache.is_contiguous() or not v_cache.is_contiguous()):
+        raise ValueError("paged_attention: k_cache/v_cache must be contiguous, both float32 or "
+                         "both bfloat16")
     for ten, name in ((block_tables, "block_tables"), (tok_row, "tok_row"), (ctx_lens, "ctx_lens")):
         if ten.dtype != torch.int32 or not ten.is_contiguous():
             raise ValueError(f"paged_attention: {name} must be contiguous int32")
     if tok_row.shape != (t,) or ctx_lens.shape != (t,) or block_tables.dim() != 2 or out.shape != q.shape:
         raise ValueError("paged_attention: tok_row/ctx_lens [T], block_tables [S, MB], out like q")
-    if split % BLOCK_N:
-        raise ValueError(f"split {split} must be a multiple of {BLOCK_N}")
+    block_n = BLOCK_N_BF16 if k_cache.dtype == torch.bfloat16 else BLOCK_N
+    if split % block_n:
+        raise ValueError(f"split {split} must be a multiple of {block_n}")
     if t == 0:
         return out
     group = h // kvh
@@ -144,8 +176,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _attn_split_kernel[(t, kvh, max_splits)](
         q, k_cache, v_cache, block_tables, tok_row, ctx_lens, out, pacc, pml,
         block_tables.stride(0), max_splits, scale, H=h, KVH=kvh, D=d, BS=bs, GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)), SPLIT=split, BLOCK_N=BLOCK_N,
-        PREC=PRECISION, num_warps=8)
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), SPLIT=split, BLOCK_N=block_n,
+        PREC=PRECISION, MMA=q.device.type == "cuda", num_warps=8)
     if max_splits > 1:
         _attn_merge_kernel[(t, h)](ctx_lens, out, pacc, pml, max_splits, H=h, D=d, SPLIT=split)
     return out

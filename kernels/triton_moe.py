@@ -6,9 +6,15 @@ expert) gives each expert routed to a slot (in increasing expert id) and lists i
 increasing a; program (slot, n-tile) of an expert kernel walks them BM rows at a time, gathering
 the rows of x. No sort, no atomics, no host sync (the grids are CUDA-graph safe).
 
+q4 experts run the re-packed q4 GEMM (kernels/triton_q4.py) with a fixed K split per expert
+shape: program (slot, n-tile, split) stores the partials of all the slot's rows, and the last
+split program of (slot, n-tile) sums them in split order and runs the epilogue (SiLU·up, or the
+down projection's store). f32/q8 experts run the f32/q8 loop of triton_int4 unsplit.
+
 Batch invariance: a row's GEMM result depends only on its own x row and the expert's weights
-(fixed tile config, no split-K, rows of a tile never interact), and the k contributions of a
-token are summed in rank order by the combine kernel — whatever other tokens are routed where.
+(fixed tile config, a split count fixed by the expert's shape, rows of a tile never interact),
+and the k contributions of a token are summed in rank order by the combine kernel — whatever
+other tokens are routed where.
 """
 
 from __future__ import annotations
@@ -19,12 +25,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import triton_q4
 from kernels.linear import Linear
-from kernels.triton_int4 import (FMT_CODES, TileConfig, _rows_times_w, check_x, linear,
-                                 tile_from_env, to_gpu_format, weight_args)
+from kernels.triton_int4 import FMT_CODES, TileConfig, check_x, linear, rows_times_w, to_gpu_format, weight_args
+from kernels.triton_q4 import (Q4Tile, q4_rows, split_count, split_load_sum, split_range,
+                               split_release, split_store, split_ticket)
 
-ROUTER_TILE = TileConfig(bm=16, bn=16, bk=256, warps=4, stages=2)  # many programs for few rows
-EXPERT_TILE = tile_from_env("FEDSERVE_EXPERT_TILE", "16x32x128w4s2")
+ROUTER_TILE = TileConfig(bm=16, bn=16, bk=256, warps=4, stages=2)  # f32/q8 routers: many programs
+EXPERT_TILE = TileConfig(bm=16, bn=32, bk=128, warps=4, stages=2)  # f32/q8 experts
+Q4_EXPERT_TILE = Q4Tile()
+# q4 expert K splits are sized for one token's top-k (≈ 8 experts): n-tiles × splits ≤ this
+EXPERT_PROGRAMS = 128
 SCAN = 64  # assignments examined per step when grouping (fixed)
 
 
@@ -32,43 +43,52 @@ SCAN = 64  # assignments examined per step when grouping (fixed)
 class StackedExperts:
     """All experts of one layer stacked on a leading expert dim, in GPU storage.
 
-    gu: [E, 2*I, in] with gate and up rows interleaved (row 2j = gate j, 2j + 1 = up j), so one
-    GEMM tile yields both factors of silu(gate) * up; down: [E, hidden, I].
+    gate_up has its gate and up rows interleaved (row 2j = gate j, 2j + 1 = up j), so one GEMM
+    tile yields both factors of silu(gate) * up. Per format, gu / down hold
+      q4:  (qs [E, K/32, N, 16] uint8, sm [E, K/32, N, 2] fp16)  — triton_q4's layout
+      q8:  (qs [E, N, K] int8, scale [E, N, K/32] fp16);   f32: (w [E, N, K], w)
+    with N, K = 2*I, hidden for gu and hidden, I for down. q4 experts also carry their K split
+    counts (by shape) and the split programs' ticket counters, one per (slot, n-tile).
     """
 
     fmt: str
     num_experts: int
     hidden: int
     inter: int
-    gu: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (w, scale, min), leading dim E
-    down: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    gu: tuple[torch.Tensor, torch.Tensor]
+    down: tuple[torch.Tensor, torch.Tensor]
+    gu_split: int = 1
+    down_split: int = 1
+    gu_tickets: torch.Tensor | None = None
+    down_tickets: torch.Tensor | None = None
 
     @classmethod
     def stack(cls, experts: tuple[tuple[Linear, Linear], ...]) -> "StackedExperts":
-        gus = [to_gpu_format(g) for g, _ in experts]
-        downs = [to_gpu_format(d) for _, d in experts]
-        fmt = gus[0].fmt
-        if any(x.fmt != fmt for x in gus + downs):
+        fmt = experts[0][0].fmt
+        if any(x.fmt != fmt for pair in experts for x in pair):
             raise ValueError("experts must share one weight format")
-
-        def st(lins: list[Linear], order=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            sel = (lambda t: t) if order is None else (lambda t: t[order])  # noqa: E731
-            parts = [weight_args(x)[:3] for x in lins]
-            if fmt == "f32":
-                w = torch.stack([sel(p[0]) for p in parts])
-                return w, w, w
-            parts = [tuple(sel(t) for t in p) for p in parts]
-            q = torch.stack([p[0] for p in parts])
-            s = torch.stack([p[1] for p in parts])
-            m = torch.stack([p[2] for p in parts])
-            return q, s, m
-
-        g0, d0 = gus[0], downs[0]
+        g0, d0 = experts[0]
         if g0.out_features % 2 or d0.in_features * 2 != g0.out_features:
             raise ValueError("gate_up must be [2*I, hidden] and down [hidden, I]")
-        inter = d0.in_features
+        e, hidden, inter = len(experts), g0.in_features, d0.in_features
         order = torch.stack([torch.arange(inter), torch.arange(inter) + inter], 1).reshape(-1)
-        return cls(fmt, len(experts), g0.in_features, inter, st(gus, order.to(g0.device)), st(downs))
+
+        def st(lins: list[Linear]) -> tuple[torch.Tensor, torch.Tensor]:
+            if fmt == "q4":
+                parts = [triton_q4.repacked_arrays(x) for x in lins]
+            else:
+                parts = [weight_args(to_gpu_format(x))[:2] for x in lins]
+            return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+
+        gu = st([_select_rows(g, order.to(g.device)) for g, _ in experts])
+        down = st([d for _, d in experts])
+        if fmt != "q4":
+            return cls(fmt, e, hidden, inter, gu, down)
+        tile, dev = Q4_EXPERT_TILE, gu[0].device
+        gs = split_count(2 * inter, hidden, tile, EXPERT_PROGRAMS)
+        ds = split_count(hidden, inter, tile, EXPERT_PROGRAMS)
+        tickets = lambda n: torch.zeros(e * triton.cdiv(n, tile.bn), dtype=torch.int32, device=dev)  # noqa: E731
+        return cls(fmt, e, hidden, inter, gu, down, gs, ds, tickets(2 * inter), tickets(hidden))
 
     @property
     def nbytes(self) -> int:
@@ -77,6 +97,15 @@ class StackedExperts:
 
     def expert_nbytes(self) -> int:
         return self.nbytes // self.num_experts
+
+
+def _select_rows(lin: Linear, order: torch.Tensor) -> Linear:
+    """The Linear with its output rows in `order` (any storage format before GPU placement)."""
+    if lin.fmt == "f32":
+        return Linear.dense(lin.weight[order])
+    if lin.fmt == "q8":
+        return Linear.q8(lin.qs[order], lin.scale[order])
+    return Linear.q4(lin.qs[order], lin.scale[order], lin.minv[order])
 
 
 # ---- device code ------------------------------------------------------------------------------
@@ -161,63 +190,117 @@ def _slot(meta_ptr):
 
 
 @triton.jit
-def _slot_ptrs(w_ptr, s_ptr, m_ptr, arows_ptr, expert, stride_we, stride_se, T):
-    """The expert's weight, scale and min bases, and this slot's assignment list."""
+def _slot_ptrs(w_ptr, s_ptr, arows_ptr, expert, stride_we, stride_se, T):
+    """The expert's weight and scale bases, and this slot's assignment list."""
     e = expert.to(tl.int64)
     arows = arows_ptr + tl.program_id(0).to(tl.int64) * T
-    return w_ptr + e * stride_we, s_ptr + e * stride_se, m_ptr + e * stride_se, arows
+    return w_ptr + e * stride_we, s_ptr + e * stride_se, arows
 
 
-@triton.jit(do_not_specialize=["T", "stride_x", "stride_inter"])
-def _moe_gate_up_kernel(x_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, m_ptr, inter_ptr, T, I, K,
-                        stride_x, stride_we, stride_w, stride_se, stride_s, stride_inter,
-                        FMT: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
-                        BN: tl.constexpr, BK: tl.constexpr, ELEM: tl.constexpr,
-                        SWAP: tl.constexpr, PF: tl.constexpr):
+@triton.jit
+def _slot_rows(arows, m0, count, BM: tl.constexpr):
+    """Assignments m0 .. m0 + BM of the slot (valid where < count)."""
+    valid = m0 + tl.arange(0, BM) < count
+    return tl.load(arows + m0 + tl.arange(0, BM), mask=valid, other=0), valid
+
+
+@triton.jit
+def _expert_rows(x_ptr, rows, valid, stride_x, w_e, s_e, n0, n_mask, N, K, k_lo, k_hi, stride_w,
+                 stride_s, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, ASM: tl.constexpr):
+    """[BM, BN] = x[rows] @ W_e[n0 : n0 + BN].T over k in [k_lo, k_hi) (f32/q8: all of K)."""
+    if FMT == 1:
+        acc = q4_rows(x_ptr, rows, valid, stride_x, w_e, s_e, n0, n_mask, N, k_lo, k_hi, BM, BN,
+                      BK // 32, ASM)
+    else:
+        acc = rows_times_w(x_ptr, rows, valid, stride_x, w_e, s_e, n0, n_mask, K, stride_w,
+                           stride_s, tl.zeros((BM, BN), tl.float32), FMT, BN, BK)
+    return acc
+
+
+@triton.jit(do_not_specialize=["T", "TK"])
+def _moe_gate_up_kernel(x_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, inter_ptr, ws_ptr, tickets_ptr,
+                        T, TK, I, K, stride_x, stride_we, stride_w, stride_se, stride_s,
+                        stride_inter, FMT: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
+                        BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr, ASM: tl.constexpr):
     """inter[a, j] = silu(x[t] . Wg[e, j]) * (x[t] . Wu[e, j]) for the slot's assignments a
-    (t = a // k); the tile's BN interleaved gate/up rows give BN // 2 outputs j."""
+    (t = a // k); the tile's BN interleaved gate/up rows give BN // 2 outputs j. With S > 1
+    K splits, partials go through ws [S, T*k, 2I] and the last split program finishes."""
     expert, count = _slot(meta_ptr)
     if count == 0:
         return
-    n0 = tl.program_id(1) * BN
-    n_mask = n0 + tl.arange(0, BN) < 2 * I
-    cols = tl.program_id(1) * (BN // 2) + tl.arange(0, BN // 2)
-    w_e, s_e, m_e, arows = _slot_ptrs(w_ptr, s_ptr, m_ptr, arows_ptr, expert, stride_we,
-                                      stride_se, T)
-    for m0 in range(0, count, BM):
-        valid = m0 + tl.arange(0, BM) < count
-        rows = tl.load(arows + m0 + tl.arange(0, BM), mask=valid, other=0)
-        acc = _rows_times_w(x_ptr, rows // TOPK, valid, stride_x, w_e, s_e, m_e, n0, n_mask, K,
-                            stride_w, stride_s, tl.zeros((BM, BN), tl.float32), FMT, BN, BK,
-                            ELEM, SWAP, PF)
-        g, u = tl.split(tl.reshape(acc, (BM, BN // 2, 2)))
-        h = g / (1.0 + tl.exp(-g)) * u
-        dst = inter_ptr + rows.to(tl.int64)[:, None] * stride_inter + cols[None, :]
-        tl.store(dst, h.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & (cols < I)[None, :])
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_mask = offs_n < 2 * I
+    cols = pid_n * (BN // 2) + tl.arange(0, BN // 2)
+    w_e, s_e, arows = _slot_ptrs(w_ptr, s_ptr, arows_ptr, expert, stride_we, stride_se, T)
+    k_lo, k_hi = split_range(K, tl.program_id(2), S, BK)
+    split_stride = TK.to(tl.int64) * (2 * I)
+    ticket = tl.program_id(0) * tl.num_programs(1) + pid_n
+    last = True
+    if S > 1:
+        for m0 in range(0, count, BM):
+            rows, valid = _slot_rows(arows, m0, count, BM)
+            acc = _expert_rows(x_ptr, rows // TOPK, valid, stride_x, w_e, s_e, pid_n * BN, n_mask,
+                               2 * I, K, k_lo, k_hi, stride_w, stride_s, FMT, BM, BN, BK, ASM)
+            split_store(acc, ws_ptr, rows.to(tl.int64)[:, None] * (2 * I) + offs_n[None, :],
+                        valid[:, None] & n_mask[None, :], split_stride)
+        last = split_ticket(tickets_ptr, ticket, S)
+    if last:
+        for m0 in range(0, count, BM):
+            rows, valid = _slot_rows(arows, m0, count, BM)
+            if S > 1:
+                acc = split_load_sum(ws_ptr, rows.to(tl.int64)[:, None] * (2 * I) + offs_n[None, :],
+                                     valid[:, None] & n_mask[None, :], split_stride, S)
+            else:
+                acc = _expert_rows(x_ptr, rows // TOPK, valid, stride_x, w_e, s_e, pid_n * BN,
+                                   n_mask, 2 * I, K, 0, K, stride_w, stride_s, FMT, BM, BN, BK, ASM)
+            g, u = tl.split(tl.reshape(acc, (BM, BN // 2, 2)))
+            h = g / (1.0 + tl.exp(-g)) * u
+            dst = inter_ptr + rows.to(tl.int64)[:, None] * stride_inter + cols[None, :]
+            tl.store(dst, h.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & (cols < I)[None, :])
+        if S > 1:
+            split_release(tickets_ptr, ticket)
 
 
-@triton.jit(do_not_specialize=["T", "stride_inter", "stride_y"])
-def _moe_down_kernel(inter_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, m_ptr, y_ptr, T, N, K,
-                     stride_inter, stride_we, stride_w, stride_se, stride_s, stride_y,
+@triton.jit(do_not_specialize=["T", "TK", "stride_y"])
+def _moe_down_kernel(inter_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, tickets_ptr, T, TK,
+                     N, K, stride_inter, stride_we, stride_w, stride_se, stride_s, stride_y,
                      FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     ELEM: tl.constexpr, SWAP: tl.constexpr, PF: tl.constexpr):
-    """y[a, n] = inter[a] . Wd[e, n] for the slot's assignments a."""
+                     S: tl.constexpr, ASM: tl.constexpr):
+    """y[a, n] = inter[a] . Wd[e, n] for the slot's assignments a (splits as in gate_up)."""
     expert, count = _slot(meta_ptr)
     if count == 0:
         return
-    n0 = tl.program_id(1) * BN
-    offs_n = n0 + tl.arange(0, BN)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
     n_mask = offs_n < N
-    w_e, s_e, m_e, arows = _slot_ptrs(w_ptr, s_ptr, m_ptr, arows_ptr, expert, stride_we,
-                                      stride_se, T)
-    for m0 in range(0, count, BM):
-        valid = m0 + tl.arange(0, BM) < count
-        rows = tl.load(arows + m0 + tl.arange(0, BM), mask=valid, other=0)
-        acc = _rows_times_w(inter_ptr, rows, valid, stride_inter, w_e, s_e, m_e, n0, n_mask,
-                            K, stride_w, stride_s, tl.zeros((BM, BN), tl.float32), FMT, BN, BK,
-                            ELEM, SWAP, PF)
-        dst = y_ptr + rows.to(tl.int64)[:, None] * stride_y + offs_n[None, :]
-        tl.store(dst, acc, mask=valid[:, None] & n_mask[None, :])
+    w_e, s_e, arows = _slot_ptrs(w_ptr, s_ptr, arows_ptr, expert, stride_we, stride_se, T)
+    k_lo, k_hi = split_range(K, tl.program_id(2), S, BK)
+    split_stride = TK.to(tl.int64) * N
+    ticket = tl.program_id(0) * tl.num_programs(1) + pid_n
+    last = True
+    if S > 1:
+        for m0 in range(0, count, BM):
+            rows, valid = _slot_rows(arows, m0, count, BM)
+            acc = _expert_rows(inter_ptr, rows, valid, stride_inter, w_e, s_e, pid_n * BN, n_mask,
+                               N, K, k_lo, k_hi, stride_w, stride_s, FMT, BM, BN, BK, ASM)
+            split_store(acc, ws_ptr, rows.to(tl.int64)[:, None] * N + offs_n[None, :],
+                        valid[:, None] & n_mask[None, :], split_stride)
+        last = split_ticket(tickets_ptr, ticket, S)
+    if last:
+        for m0 in range(0, count, BM):
+            rows, valid = _slot_rows(arows, m0, count, BM)
+            offs = rows.to(tl.int64)[:, None] * N + offs_n[None, :]
+            mask = valid[:, None] & n_mask[None, :]
+            if S > 1:
+                acc = split_load_sum(ws_ptr, offs, mask, split_stride, S)
+            else:
+                acc = _expert_rows(inter_ptr, rows, valid, stride_inter, w_e, s_e, pid_n * BN,
+                                   n_mask, N, K, 0, K, stride_w, stride_s, FMT, BM, BN, BK, ASM)
+            tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_y + offs_n[None, :], acc, mask=mask)
+        if S > 1:
+            split_release(tickets_ptr, ticket)
 
 
 @triton.jit(do_not_specialize=["stride_y", "stride_res", "stride_out"])
@@ -252,7 +335,7 @@ def route(x: torch.Tensor, router: Linear, top_k: int, norm_topk_prob: bool,
         return
     if logits is None:
         logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
-    linear(router, x, logits, tile=ROUTER_TILE)
+    linear(router, x, logits, tile=None if router.fmt == "q4" else ROUTER_TILE)
     bm = 4
     _topk_kernel[(triton.cdiv(t, bm),)](logits, ids, wts, t, e, logits.stride(0), TOPK=top_k,
                                         NORM=norm_topk_prob, BM=bm,
@@ -260,10 +343,12 @@ def route(x: torch.Tensor, router: Linear, top_k: int, norm_topk_prob: bool,
 
 
 def experts_forward(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
-                    inter: torch.Tensor, y: torch.Tensor, tile: TileConfig = EXPERT_TILE) -> None:
+                    inter: torch.Tensor, y: torch.Tensor,
+                    tile: TileConfig | Q4Tile | None = None) -> None:
     """y [T*k, hidden] ← expert(ids[t, r]) applied to x[t], row a = t*k + r; inter [T*k, I]
     (float16 for q4/q8 experts: the down GEMM rounds it to fp16 anyway, so the bits are the
-    same and its bytes half)."""
+    same and its bytes half). tile: a Q4Tile for q4 experts (its split counts were fixed by
+    StackedExperts.stack for Q4_EXPERT_TILE's BK), a TileConfig for f32/q8."""
     t, top_k = ids.shape
     tk = t * top_k
     check_x(x, experts.hidden)
@@ -275,27 +360,42 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
         raise ValueError(f"inter must be {inter_dtype(experts)} for {experts.fmt} experts")
     if tk == 0:
         return
+    q4 = experts.fmt == "q4"
+    tile = tile or (Q4_EXPERT_TILE if q4 else EXPERT_TILE)
+    if q4 and (tile.bk != Q4_EXPERT_TILE.bk or tile.bn < Q4_EXPERT_TILE.bn):
+        raise ValueError(f"q4 expert splits and tickets are counted for {Q4_EXPERT_TILE.name}: "
+                         "same BK, BN at least as wide")
     fmt = FMT_CODES[experts.fmt]
+    dev = x.device
     slots = min(experts.num_experts, tk)  # at most this many experts are routed to
-    meta = torch.empty(1 + 2 * slots, dtype=torch.int32, device=x.device)
-    arows = torch.empty(slots, t, dtype=torch.int32, device=x.device)  # an expert: <= 1 per token
+    meta = torch.empty(1 + 2 * slots, dtype=torch.int32, device=dev)
+    arows = torch.empty(slots, t, dtype=torch.int32, device=dev)  # an expert: <= 1 per token
     _moe_align_kernel[(experts.num_experts,)](
         ids, meta, arows, tk, t, TOPK=top_k, E_PAD=max(16, triton.next_power_of_2(experts.num_experts)),
         SCAN=SCAN, num_warps=4)
-    w, s, m = experts.gu
-    _moe_gate_up_kernel[(slots, triton.cdiv(2 * experts.inter, tile.bn))](
-        x, meta, arows, w, s, m, inter, t, experts.inter, experts.hidden, x.stride(0), w.stride(0),
-        w.stride(1), s.stride(0), s.stride(1) if s.dim() == 3 else 0, inter.stride(0), FMT=fmt,
-        TOPK=top_k, BM=tile.bm, BN=tile.bn, BK=tile.bk, ELEM=tile.elem, SWAP=tile.swap,
-        PF=tile.prefetch,
-        num_warps=tile.warps, num_stages=tile.stages)
-    w, s, m = experts.down
-    _moe_down_kernel[(slots, triton.cdiv(experts.hidden, tile.bn))](
-        inter, meta, arows, w, s, m, y, t, experts.hidden, experts.inter, inter.stride(0),
-        w.stride(0), w.stride(1), s.stride(0), s.stride(1) if s.dim() == 3 else 0, y.stride(0),
-        FMT=fmt, BM=tile.bm, BN=tile.bn, BK=tile.bk, ELEM=tile.elem, SWAP=tile.swap,
-        PF=tile.prefetch,
-        num_warps=tile.warps, num_stages=tile.stages)
+    asm = triton_q4.use_asm(x)
+
+    def scratch(split: int, n: int, tickets):
+        if split == 1:
+            return y, y  # never touched
+        return torch.empty(split, tk, n, dtype=torch.float32, device=dev), tickets
+
+    def strides(w, s):  # (expert, row) strides of the f32/q8 stacks; q4 kernels ignore the row ones
+        return w.stride(0), w.stride(1), s.stride(0), s.stride(1) if s.dim() == 3 else 0
+
+    launch = dict(BM=tile.bm, BN=tile.bn, BK=tile.bk, ASM=asm, num_warps=tile.warps,
+                  num_stages=tile.stages)
+    w, s = experts.gu
+    ws, tickets = scratch(experts.gu_split, 2 * experts.inter, experts.gu_tickets)
+    _moe_gate_up_kernel[(slots, triton.cdiv(2 * experts.inter, tile.bn), experts.gu_split)](
+        x, meta, arows, w, s, inter, ws, tickets, t, tk, experts.inter, experts.hidden,
+        x.stride(0), *strides(w, s), inter.stride(0), FMT=fmt, TOPK=top_k,
+        S=experts.gu_split, **launch)
+    w, s = experts.down
+    ws, tickets = scratch(experts.down_split, experts.hidden, experts.down_tickets)
+    _moe_down_kernel[(slots, triton.cdiv(experts.hidden, tile.bn), experts.down_split)](
+        inter, meta, arows, w, s, y, ws, tickets, t, tk, experts.hidden, experts.inter,
+        inter.stride(0), *strides(w, s), y.stride(0), FMT=fmt, S=experts.down_split, **launch)
 
 
 def inter_dtype(experts: StackedExperts) -> torch.dtype:

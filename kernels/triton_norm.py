@@ -128,10 +128,11 @@ def _qkv_rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, s
         if slot >= 0:  # padding tokens (slot -1) write nothing
             j = hh - H
             dst = (slot * KVH + j) * D
-            tl.store(kc_ptr + dst + half, ra)
-            tl.store(kc_ptr + dst + D // 2 + half, rb)
+            kv_ty = kc_ptr.dtype.element_ty  # float32 or bfloat16 (rounded to nearest)
+            tl.store(kc_ptr + dst + half, ra.to(kv_ty))
+            tl.store(kc_ptr + dst + D // 2 + half, rb.to(kv_ty))
             v = tl.load(base + KVH * D + tl.arange(0, D))
-            tl.store(vc_ptr + dst + tl.arange(0, D), v)
+            tl.store(vc_ptr + dst + tl.arange(0, D), v.to(kv_ty))
 
 
 def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
@@ -139,7 +140,8 @@ def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
                    eps: float, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    num_heads: int, q_out: torch.Tensor) -> torch.Tensor:
     """From fused qkv [T, (H + 2*KVH) * D]: q_out [T, H, D] (normed, roped); k (normed, roped)
-    and v written to the caches [num_blocks, block_size, KVH, D] at flat slots [T] (-1: skip)."""
+    and v written to the caches [num_blocks, block_size, KVH, D] (float32, or bfloat16: rounded
+    to nearest) at flat slots [T] (-1: skip)."""
     t = qkv.shape[0]
     nb, bs, kvh, d = k_cache.shape
     h = num_heads
@@ -148,8 +150,9 @@ def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     if qkv.dtype != torch.float32 or qkv.stride(1) != 1 or qkv.shape[1] != (h + 2 * kvh) * d:
         raise ValueError("qkv: expected float32 [T, (H + 2*KVH) * D] with contiguous rows")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
-            and k_cache.dtype == torch.float32 and v_cache.dtype == torch.float32):
-        raise ValueError("caches: expected contiguous float32 [num_blocks, block_size, KVH, D]")
+            and k_cache.dtype in (torch.float32, torch.bfloat16) and v_cache.dtype == k_cache.dtype):
+        raise ValueError("caches: expected contiguous float32 or bfloat16 [num_blocks, block_size, "
+                         "KVH, D], both of one dtype")
     if q_out.shape != (t, h, d) or not q_out.is_contiguous():
         raise ValueError("q_out: expected contiguous [T, H, D]")
     if positions.shape != (t,) or slots.shape != (t,) or slots.dtype != torch.int64:

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 pytest.importorskip("triton")
 
-from kernels import cpu, triton_attention, triton_int4, triton_moe, triton_norm  # noqa: E402
+from kernels import cpu, triton_attention, triton_int4, triton_moe, triton_norm, triton_q4  # noqa: E402
 from kernels.linear import Linear, quantize_q8  # noqa: E402
 from replica.models.synthetic import synthetic_model  # noqa: E402
 from tests.replica.schedules import StreamSpec, run_schedule, run_solo, small_core  # noqa: E402
@@ -37,11 +37,12 @@ def rel_err(out, ref) -> float:
     return float((out.double() - ref).norm() / ref.norm())
 
 
-def rand_q4(n: int, k: int, g: torch.Generator) -> Linear:
+def rand_q4(n: int, k: int, g: torch.Generator, gpu_format: bool = True) -> Linear:
     """Random nibbles, fp16 scales, mins = -8 * scale (Q4_0-like)."""
     qs = torch.randint(0, 256, (n, k // 2), generator=g, device=DEV, dtype=torch.uint8)
     scale = (torch.rand(n, k // 32, generator=g, device=DEV) + 0.5).half().float() * k ** -0.5 / 4
-    return triton_int4.to_gpu_format(Linear.q4(qs, scale, -8 * scale))
+    lin = Linear.q4(qs, scale, -8 * scale)
+    return triton_int4.to_gpu_format(lin) if gpu_format else lin
 
 
 def weight(fmt: str, n: int, k: int, g: torch.Generator) -> Linear:
@@ -62,6 +63,21 @@ def test_linear_at_real_shapes(fmt, n, k):
         res = torch.randn(m, n, generator=g, device=DEV)
         out = triton_int4.linear(lin, x, nan(m, n), residual=res)
         assert rel_err(out, lin.reference(x) + res.double()) < TOL[fmt], m
+
+
+@pytest.mark.parametrize("n,k", [(5120, 2048), (2048, 4096), (2048, 768)])
+def test_q4_inline_ptx_dequant_gives_the_plain_triton_bits(n, k):
+    """The inline-PTX nibble unpack (GPU only) against the plain-Triton one the interpreter
+    tests: bitwise the same GEMM output, with each shape's split-K."""
+    g = torch.Generator(DEV).manual_seed(n + k)
+    lin = rand_q4(n, k, g)
+    for m in (1, 37):
+        x = torch.randn(m, k, generator=g, device=DEV)
+        fast = triton_q4.linear(lin, x, nan(m, n), asm=True)
+        plain = triton_q4.linear(lin, x, nan(m, n), asm=False)
+        assert torch.equal(fast, plain), (m, lin.split)
+        assert rel_err(fast, lin.reference(x)) < TOL["q4"]
+        assert not lin.tickets.any()
 
 
 @pytest.mark.parametrize("fmt", ["q4", "f32"])
@@ -93,19 +109,22 @@ def test_norms_rope_and_softmax_at_real_shapes():
     cos, sin = ang.cos(), ang.sin()
     qn, kn = torch.randn(d, generator=g, device=DEV), torch.randn(d, generator=g, device=DEV)
     slots = torch.randperm(256 * 16, generator=g, device=DEV)[:t]
-    kc, vc = nan(256, 16, kvh, d), nan(256, 16, kvh, d)
-    q = triton_norm.qkv_rope_store(qkv, pos, cos, sin, qn, kn, 1e-6, slots, kc, vc, h, nan(t, h, d))
     rq, rk, rv = triton_norm.qkv_rope_reference(qkv, pos, cos, sin, qn, kn, 1e-6, h, kvh)
-    assert rel_err(q, rq) < 1e-6
-    assert rel_err(kc.view(-1, kvh, d)[slots], rk) < 1e-6
-    assert torch.equal(vc.view(-1, kvh, d)[slots], rv.float())
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 4e-3)):
+        kc, vc = nan(256, 16, kvh, d).to(dtype), nan(256, 16, kvh, d).to(dtype)
+        q = triton_norm.qkv_rope_store(qkv, pos, cos, sin, qn, kn, 1e-6, slots, kc, vc, h,
+                                       nan(t, h, d))
+        assert rel_err(q, rq) < 1e-6
+        assert rel_err(kc.view(-1, kvh, d)[slots].float(), rk) < tol
+        assert torch.equal(vc.view(-1, kvh, d)[slots], rv.float().to(dtype))  # rounded to nearest
 
 
-def test_paged_attention_at_real_shapes_and_bitwise_alone():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_at_real_shapes_and_bitwise_alone(dtype):
     g = torch.Generator(DEV).manual_seed(3)
     h, kvh, d, bs, nb = 32, 4, 128, 16, 1024
-    kc = torch.randn(nb, bs, kvh, d, generator=g, device=DEV)
-    vc = torch.randn(nb, bs, kvh, d, generator=g, device=DEV)
+    kc = torch.randn(nb, bs, kvh, d, generator=g, device=DEV).to(dtype)
+    vc = torch.randn(nb, bs, kvh, d, generator=g, device=DEV).to(dtype)
     ctx = torch.tensor([1, 17, 300, 512, 513, 1500, 2047, 900], dtype=torch.int32, device=DEV)
     t = ctx.numel()
     tables = torch.randperm(nb, generator=g, device=DEV)[: t * 128].view(t, 128).to(torch.int32).contiguous()
@@ -114,7 +133,7 @@ def test_paged_attention_at_real_shapes_and_bitwise_alone():
     out = triton_attention.paged_attention(q, kc, vc, tables, rows, ctx, d ** -0.5, nan(t, h, d))
     ref = cpu.paged_attention_reference(q.cpu(), kc.cpu(), vc.cpu(), tables.cpu(), rows.cpu(),
                                         ctx.cpu(), d ** -0.5)
-    assert rel_err(out.cpu(), ref) < 1e-5
+    assert rel_err(out.cpu(), ref) < (1e-5 if dtype == torch.float32 else 3e-5)
     for i in (0, 5, 6):  # alone, with a wider table (more, empty, splits in the grid)
         wide = torch.cat([tables[i:i + 1], torch.zeros(1, 40, dtype=torch.int32, device=DEV)], 1)
         alone = triton_attention.paged_attention(q[i:i + 1].contiguous(), kc, vc, wide.contiguous(),
@@ -127,7 +146,7 @@ def test_paged_attention_at_real_shapes_and_bitwise_alone():
 def real_moe():
     g = torch.Generator(DEV).manual_seed(4)
     router = rand_q4(128, 2048, g)
-    experts = tuple((rand_q4(1536, 2048, g), rand_q4(2048, 768, g)) for _ in range(128))
+    experts = tuple((rand_q4(1536, 2048, g, False), rand_q4(2048, 768, g, False)) for _ in range(128))
     return router, experts, triton_moe.StackedExperts.stack(experts)
 
 

@@ -13,15 +13,17 @@ import pytest
 pytest.importorskip("triton")
 
 
-def test_sass_report_counts_the_k_loop_of_the_engine_tile_and_a_variant():
+def test_sass_report_counts_the_k_loop_of_the_engine_tile():
+    """The engine's q4 tile compiles for sm_90 with the raw bytes loaded straight into the MMA
+    operand layout: no shared-memory stores in the K loop, and a few instructions per weight
+    (the v5 loop took 9.7; this one about 3)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-m", "kernels.sass_report", "16x32x128w4s2",
-                          "16x32x128w4s2:elem"], capture_output=True, text=True, env=env,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-m", "kernels.sass_report", "16x64x128w1s3"],
+                         capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     loops = re.findall(r"K loop (\d+) = ([\d.]+) per weight", out.stdout)
-    assert len(loops) == 2, out.stdout
-    (base, base_w), (elem, elem_w) = [(int(a), float(b)) for a, b in loops]
-    # the loop holds the tile's MMAs and its dequant: tens to hundreds of instructions
-    assert 50 < base < elem < 5000 and 1.0 < base_w < elem_w, out.stdout
-    assert "HMMA" in out.stdout and "LDG" in out.stdout
+    assert len(loops) == 1, out.stdout
+    n, per_weight = int(loops[0][0]), float(loops[0][1])
+    assert 100 < n < 5000 and 1.0 < per_weight < 5.0, out.stdout
+    assert "HMMA" in out.stdout and "LDGSTS" in out.stdout
+    assert re.search(r"(?<![A-Z.])STS \d", out.stdout) is None, out.stdout

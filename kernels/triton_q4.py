@@ -1,0 +1,312 @@
+"""The q4 GEMM y = x @ W.T in Triton, on weights re-packed at load for the tensor cores, with
+a fixed split of K per weight shape.
+
+Storage (`Q4Linear`, made by `repack`): the GGUF 32-blocks of a row stay intact (byte j of a
+block holds element j in its low nibble and element j + 16 in its high one), but the blocks are
+stored block-major: qs [K/32, N, 16] uint8, and the scale and min of each block side by side:
+sm [K/32, N, 2] fp16. The bytes of one block for BN consecutive rows are then one contiguous
+BN*16-byte run, and one block of one row is exactly the K = 16 operand column of two MMAs
+(low nibbles × x[k0:k0+16], high nibbles × x[k0+16:k0+32]) whose scale is a per-column
+broadcast: no reshape, no gather, so Triton loads the raw bytes straight into the MMA operand
+layout (through shared memory, pipelined) and dequantizes there.
+
+Dequant: on the GPU, 4 bytes → 8 fp16 values by one PRMT, one shift, four LOP3 (the nibble
+ORed into the mantissa of 1024.0) and four half2 ops (inline PTX, `_nibbles_asm`); in the
+interpreter the same exact integers 0..15 by plain Triton (`_nibbles`). Either way the weight
+is then q * scale + min in fp16 by the same Triton line, so both paths give the same bits.
+
+Split-K: K is cut into S equal runs of whole k steps, S = `split_count(N, K, tile)`, a
+function of the weight's shape and the tile only — never of the batch. Each program stores
+its fp32 partial; the last of a tile's S programs to arrive (a ticket counter, reset by that
+program) sums the S partials in split order 0..S-1 and runs the epilogue. Which program
+sums changes from run to run, the order of the sum never does: bitwise batch-invariant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.linear import QBLOCK, Linear
+
+MAX_PROGRAMS = 1024  # target CTAs for one weight at M = 1 (8 one-warp CTAs per SM on an H200)
+MAX_SPLIT = 16
+MAX_ROWS = 8192  # rows per launch (the ticket buffer covers MAX_ROWS / BM row tiles)
+
+
+@dataclass(frozen=True)
+class Q4Tile:
+    """Tile of the q4 GEMM: BM rows × BN outputs, NB 32-blocks of K per loop step."""
+
+    bm: int = 16
+    bn: int = 64
+    nb: int = 4
+    warps: int = 1
+    stages: int = 3
+
+    @property
+    def bk(self) -> int:
+        return self.nb * QBLOCK
+
+    @classmethod
+    def parse(cls, spec: str) -> "Q4Tile":
+        """"16x64x128w1s3" → Q4Tile (BM x BN x BK, warps, pipeline stages)."""
+        try:
+            dims, _, rest = spec.partition("w")
+            warps, _, stages = rest.partition("s")
+            bm, bn, bk = (int(v) for v in dims.split("x"))
+            tile = cls(bm, bn, bk // QBLOCK, int(warps), int(stages or 3))
+        except ValueError as e:
+            raise ValueError(f"q4 tile {spec!r}: expected BMxBNxBKwW[sS], e.g. 16x64x128w1s3") from e
+        if bk % QBLOCK or bm < 16 or bn < 16 or bk < QBLOCK:
+            raise ValueError(f"q4 tile {spec!r}: BM, BN >= 16, BK a multiple of 32")
+        return tile
+
+    @property
+    def name(self) -> str:
+        return f"{self.bm}x{self.bn}x{self.bk}w{self.warps}s{self.stages}"
+
+
+LINEAR_TILE = Q4Tile()
+
+
+def split_count(n: int, k: int, tile: Q4Tile, programs: int = MAX_PROGRAMS) -> int:
+    """K splits for a weight [n, k]: the most (≤ MAX_SPLIT, dividing the k steps evenly) that
+    keep n-tiles × splits ≤ programs. From the weight's shape and the tile alone."""
+    steps = triton.cdiv(k, tile.bk)
+    n_tiles = triton.cdiv(n, tile.bn)
+    return max(s for s in range(1, MAX_SPLIT + 1) if steps % s == 0 and n_tiles * s <= max(programs, n_tiles))
+
+
+@dataclass(frozen=True, eq=False)
+class Q4Linear(Linear):
+    """A q4 Linear in GPU storage: qs [K/32, N, 16] uint8, sm [K/32, N, 2] fp16 (scale, min),
+    its K split count and the split programs' ticket counters (zero between launches)."""
+
+    sm: torch.Tensor | None = None
+    split: int = 1
+    tickets: torch.Tensor | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        o, i = self.out_features, self.in_features
+        if self.fmt != "q4" or i % QBLOCK:
+            raise ValueError("Q4Linear holds q4 weights with in_features % 32 == 0")
+        if self.qs is None or tuple(self.qs.shape) != (i // QBLOCK, o, 16) or self.qs.dtype != torch.uint8:
+            raise ValueError(f"Q4Linear.qs: expected [{i // QBLOCK}, {o}, 16] uint8")
+        if self.sm is None or tuple(self.sm.shape) != (i // QBLOCK, o, 2) or self.sm.dtype != torch.float16:
+            raise ValueError(f"Q4Linear.sm: expected [{i // QBLOCK}, {o}, 2] float16")
+        if self.qs.numel() >= 2 ** 31:
+            raise ValueError("Q4Linear: 32-bit offsets inside one weight")
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 weight [out, in] (or only `rows`), exactly as the kernel sees it."""
+        qs, sm = (self.qs, self.sm) if rows is None else (self.qs[:, rows], self.sm[:, rows])
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).to(torch.float32)  # [nb, n, 32]
+        sm = sm.to(torch.float32)
+        w = q * sm[..., :1] + sm[..., 1:]  # [nb, n, 32]
+        return w.permute(1, 0, 2).reshape(w.shape[1], -1)
+
+    def to(self, device: torch.device | str) -> "Q4Linear":
+        return Q4Linear("q4", self.out_features, self.in_features, qs=self.qs.to(device),
+                        sm=self.sm.to(device), split=self.split,
+                        tickets=None if self.tickets is None else self.tickets.to(device))
+
+
+def repack(lin: Linear, tile: Q4Tile = LINEAR_TILE, programs: int = MAX_PROGRAMS) -> Q4Linear:
+    """q4 Linear (GGUF block order, fp32 scale/min) → Q4Linear. Scales and mins must fit fp16
+    (GGUF's own precision: exact for Q4_0/Q4_1 and GPTQ)."""
+    if isinstance(lin, Q4Linear):
+        return lin
+    o, i = lin.out_features, lin.in_features
+    qs, sm = repacked_arrays(lin)
+    split = split_count(o, i, tile, programs)
+    tickets = None
+    if split > 1:
+        tickets = torch.zeros(MAX_ROWS // tile.bm * triton.cdiv(o, tile.bn), dtype=torch.int32,
+                              device=qs.device)
+    return Q4Linear("q4", o, i, qs=qs, sm=sm, split=split, tickets=tickets)
+
+
+def repacked_arrays(lin: Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qs [K/32, N, 16] uint8, sm [K/32, N, 2] fp16) of a q4 Linear in GGUF block order."""
+    o, i = lin.out_features, lin.in_features
+    qs = lin.qs.view(o, i // QBLOCK, 16).transpose(0, 1).contiguous()
+    sm = torch.stack([lin.scale, lin.minv], dim=-1).transpose(0, 1).to(torch.float16).contiguous()
+    if not torch.isfinite(sm).all():
+        raise ValueError("q4 scale/min does not fit fp16 (|value| > 65504)")
+    return qs, sm
+
+
+# ---- device code ------------------------------------------------------------------------------
+@triton.jit
+def _nibbles(byt):
+    """uint8 [16, BN] → (low, high) nibbles as exact fp16 0..15 (plain Triton)."""
+    lo = ((byt & 0xF).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    hi = ((byt >> 4).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    return lo, hi
+
+
+@triton.jit
+def _nibbles_asm(byt):
+    """_nibbles in PTX: 4 bytes b0..b3 → PRMT to b0 b2 b1 b3, then (t & 0x000F000F) | 1024.0
+    gives half2 (1024 + lo(b0), 1024 + lo(b1)); the high nibbles land as 1024 + 16 q and are
+    scaled back by an exact fma (x/16 - 64)."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t, u, c0, c1, c2;
+        mov.b32 c0, 0x64006400;
+        mov.b32 c1, 0x2C002C00;
+        mov.b32 c2, 0xD400D400;
+        prmt.b32 t, $4, 0, 0x3120;
+        shr.b32 u, t, 8;
+        lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA;
+        lop3.b32 $1, u, 0x000F000F, 0x64006400, 0xEA;
+        lop3.b32 $2, t, 0x00F000F0, 0x64006400, 0xEA;
+        lop3.b32 $3, u, 0x00F000F0, 0x64006400, 0xEA;
+        sub.f16x2 $0, $0, c0;
+        sub.f16x2 $1, $1, c0;
+        fma.rn.f16x2 $2, $2, c1, c2;
+        fma.rn.f16x2 $3, $3, c1, c2;
+        }
+        """,
+        constraints="=r,=r,=r,=r,r", args=[byt], dtype=(tl.float16, tl.float16),
+        is_pure=True, pack=4)
+
+
+@triton.jit
+def q4_rows(x_ptr, x_rows, row_mask, stride_x, w_ptr, sm_ptr, n0, n_mask, N, k_lo, k_hi,
+            BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr):
+    """acc [BM, BN] fp32 = x[x_rows, k_lo:k_hi] @ W[n0 : n0 + BN, k_lo:k_hi].T, k in increasing
+    order. x_rows [BM] are row indices (MoE gathers), masked rows read 0; x is float32 or
+    float16 (rounded to fp16 either way). w_ptr/sm_ptr point at one weight's qs/sm."""
+    n = n0 + tl.arange(0, BN)
+    j = tl.arange(0, 16)
+    xr = x_ptr + x_rows[:, None] * stride_x  # [BM, 1]
+    w_tile = w_ptr + n[None, :] * 16 + j[:, None]  # [16, BN]: block 0's bytes, k-major
+    sm_tile = sm_ptr + n[:, None] * 2 + tl.arange(0, 2)[None, :]  # [BN, 2]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, 32 * NB):
+        for b in tl.static_range(NB):
+            kb = k0 + 32 * b
+            live = (kb + j) < k_hi  # [16]: all true or all false (k_hi is a block edge)
+            blk = kb // 32
+            byt = tl.load(w_tile + blk * (N * 16), mask=n_mask[None, :] & live[:, None], other=0)
+            s, m = tl.split(tl.load(sm_tile + blk * (N * 2),
+                                    mask=n_mask[:, None] & (kb + tl.arange(0, 2) * 0 < k_hi)[None, :],
+                                    other=0.0))
+            if ASM:
+                lo, hi = _nibbles_asm(byt)
+            else:
+                lo, hi = _nibbles(byt)
+            lo = lo * s[None, :] + m[None, :]  # [16, BN] fp16 weights of k = kb + j
+            hi = hi * s[None, :] + m[None, :]  # k = kb + 16 + j
+            xm = row_mask[:, None] & live[None, :]
+            x_lo = tl.load(xr + (kb + j)[None, :], mask=xm, other=0.0).to(tl.float16)
+            x_hi = tl.load(xr + (kb + 16 + j)[None, :], mask=xm, other=0.0).to(tl.float16)
+            acc = tl.dot(x_lo, lo, acc)
+            acc = tl.dot(x_hi, hi, acc)
+    return acc
+
+
+@triton.jit
+def split_range(K, sp, S: tl.constexpr, BK: tl.constexpr):
+    """[k_lo, k_hi) of split sp: S equal runs of whole k steps."""
+    per = tl.cdiv(tl.cdiv(K, BK), S) * BK
+    k_lo = sp * per
+    return k_lo, tl.minimum(k_lo + per, K)
+
+
+@triton.jit
+def split_store(acc, ws_ptr, offs, mask, split_stride):
+    """This program's split-K partial [BM, BN] → ws[split] + offs (ws: [S, rows, N] fp32)."""
+    tl.store(ws_ptr + tl.program_id(2) * split_stride + offs, acc, mask=mask)
+
+
+@triton.jit
+def split_ticket(tickets_ptr, ticket, S: tl.constexpr):
+    """True for the last of a tile's S programs to get here, after all S stored partials."""
+    tl.debug_barrier()  # every thread's partial is written before the ticket is taken
+    return tl.atomic_add(tickets_ptr + ticket, 1, sem="acq_rel") == S - 1
+
+
+@triton.jit
+def split_load_sum(ws_ptr, offs, mask, split_stride, S: tl.constexpr):
+    """Sum of the S partials at offs, in split order 0..S-1 (the fixed merge order)."""
+    total = tl.load(ws_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    for s in tl.static_range(1, S):
+        total += tl.load(ws_ptr + s * split_stride + offs, mask=mask, other=0.0,
+                         cache_modifier=".cg")
+    return total
+
+
+@triton.jit
+def split_release(tickets_ptr, ticket):
+    """The summing program resets the tile's counter for the next launch."""
+    tl.atomic_xchg(tickets_ptr + ticket, 0)
+
+
+@triton.jit(do_not_specialize=["M", "stride_res", "stride_y"])
+def _q4_linear_kernel(x_ptr, w_ptr, sm_ptr, res_ptr, y_ptr, ws_ptr, tickets_ptr, M, N, K,
+                      stride_x, stride_res, stride_y, HAS_RES: tl.constexpr, BM: tl.constexpr,
+                      BN: tl.constexpr, NB: tl.constexpr, S: tl.constexpr, ASM: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    k_lo, k_hi = split_range(K, tl.program_id(2), S, 32 * NB)
+    acc = q4_rows(x_ptr, offs_m, m_mask, stride_x, w_ptr, sm_ptr, pid_n * BN, n_mask, N, k_lo,
+                  k_hi, BM, BN, NB, ASM)
+    mask = m_mask[:, None] & n_mask[None, :]
+    rows = offs_m.to(tl.int64)[:, None]
+    offs = rows * N + offs_n[None, :]
+    split_stride = M.to(tl.int64) * N
+    ticket = pid_m * tl.num_programs(1) + pid_n
+    last = True
+    if S > 1:
+        split_store(acc, ws_ptr, offs, mask, split_stride)
+        last = split_ticket(tickets_ptr, ticket, S)
+    if last:
+        if S > 1:
+            acc = split_load_sum(ws_ptr, offs, mask, split_stride, S)
+            split_release(tickets_ptr, ticket)
+        if HAS_RES:
+            acc = tl.load(res_ptr + rows * stride_res + offs_n[None, :], mask=mask, other=0.0) + acc
+        tl.store(y_ptr + rows * stride_y + offs_n[None, :], acc, mask=mask)
+
+
+# ---- host side --------------------------------------------------------------------------------
+def use_asm(t: torch.Tensor) -> bool:
+    """Inline PTX on CUDA tensors; plain Triton where the interpreter runs (CPU tensors)."""
+    return t.device.type == "cuda"
+
+
+def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
+           residual: torch.Tensor | None = None, tile: Q4Tile = LINEAR_TILE,
+           asm: bool | None = None) -> torch.Tensor:
+    """out [n, N] = x @ W.T (+ residual); x [n, K] float32 with contiguous rows; returns out.
+    Rows go MAX_ROWS per launch (a row's bits do not depend on which launch it is in).
+    asm: the inline-PTX dequant (default: on CUDA); False runs the plain-Triton one (tests)."""
+    asm = use_asm(x) if asm is None else asm
+    n, big_n, k = x.shape[0], lin.out_features, lin.in_features
+    if lin.split > 1 and (lin.tickets is None or lin.tickets.numel() < MAX_ROWS // tile.bm
+                          * triton.cdiv(big_n, tile.bn)):
+        raise ValueError("q4 linear: tickets sized for another tile")
+    for r0 in range(0, n, MAX_ROWS):
+        r1 = min(n, r0 + MAX_ROWS)
+        xs, ys = x[r0:r1], out[r0:r1]
+        res = residual[r0:r1] if residual is not None else ys
+        ws = (torch.empty(lin.split, r1 - r0, big_n, dtype=torch.float32, device=x.device)
+              if lin.split > 1 else ys)
+        grid = (triton.cdiv(r1 - r0, tile.bm), triton.cdiv(big_n, tile.bn), lin.split)
+        _q4_linear_kernel[grid](
+            xs, lin.qs, lin.sm, res, ys, ws, lin.tickets if lin.split > 1 else ys, r1 - r0,
+            big_n, k, xs.stride(0), res.stride(0), ys.stride(0),
+            HAS_RES=residual is not None, BM=tile.bm, BN=tile.bn, NB=tile.nb, S=lin.split,
+            ASM=asm, num_warps=tile.warps, num_stages=tile.stages)
+    return out
