@@ -92,6 +92,7 @@ LOADTEST_SCENARIOS = {
     "needle": "needle-in-a-haystack recall by depth and length",
     "multiturn": "sticky vs round-robin on a multi-turn workload",
     "capstone": "four concurrent tool-using sub-agents under a deny policy",
+    "overload": "offered load beyond capacity: 429s, never a 5xx, every accepted stream completes",
 }
 
 

@@ -21,7 +21,9 @@ import uuid
 sys.modules.setdefault("trio", None)
 
 import httpx  # noqa: E402
+import gevent  # noqa: E402
 from locust import User, between, events, task  # noqa: E402
+from locust.exception import StopUser  # noqa: E402
 
 from loadtest import report  # noqa: E402
 from loadtest.client import chat_body, stream_chat  # noqa: E402
@@ -72,8 +74,10 @@ class ChatUser(User):
         history = [{"role": "system", "content": "You are a concise assistant."}]
         for turn in range(opts.turns):
             if opts.max_requests and len(samples["chat"]) >= opts.max_requests:
-                self.environment.runner.quit()
-                return
+                # quit from a greenlet of its own: runner.quit() stops every user, this one
+                # too, and would die half-way if called from here
+                gevent.spawn(self.environment.runner.quit)
+                raise StopUser()
             samples["requests"] += 1
             history.append({"role": "user", "content": f"Tell me one more fact about {topic}."
                             if turn else f"Tell me a fact about {topic}."})

@@ -124,6 +124,19 @@ def test_capstone_agents_match_sequential_and_email_is_denied(fed_url, tmp_path)
     assert any(m["content"].startswith("TOOL calculator RESULT: ") for m in calc)
 
 
+def test_overload_at_twice_capacity_rejects_with_429_and_completes_every_accepted(fed_url, tmp_path):
+    out = fedserve("overload", "--url", fed_url, "--factor", "2", "--duration", "8",
+                   "--max-tokens", "4", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "| verdict | PASS |" in out.stdout
+    data = load_report(tmp_path, "overload")
+    assert data["clients"] == 2 * data["capacity"] == 2 * (2 * 8 + 32)
+    assert data["rejected_429"] > 0 and data["server_errors"] == data["timeouts"] == data["broken"] == 0
+    assert data["accepted"] == data["accepted_completed"] >= data["capacity"]
+    assert set(data["statuses"]) == {"200", "429"}
+    assert 0 < data["ttft_accepted_s"]["p50"] <= data["ttft_accepted_s"]["p99"]
+
+
 def test_locust_users_record_ttft_itl_and_tokens_per_s(fed_url, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     out = subprocess.run(
