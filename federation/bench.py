@@ -9,6 +9,7 @@ import json
 import time
 
 import httpx
+from tqdm import tqdm
 
 from federation.config import FederationConfig
 
@@ -28,7 +29,7 @@ def direct_latency(model: str, n: int) -> list[float]:
         msgs = ({"role": "user", "content": PROMPT},)
         engine.generate([Request(messages=msgs, params=params)])
         out = []
-        for _ in range(n):
+        for _ in tqdm(range(n), desc="direct requests", leave=False, disable=None):  # TTY only
             t = time.perf_counter()
             engine.generate([Request(messages=msgs, params=params)])
             out.append(time.perf_counter() - t)
@@ -41,7 +42,7 @@ def http_latency(url: str, model: str, n: int) -> list[float]:
     out = []
     with httpx.Client(timeout=120) as c:
         c.post(f"{url}/v1/chat/completions", json=body)
-        for i in range(n):
+        for i in tqdm(range(n), desc="HTTP requests", leave=False, disable=None):
             t = time.perf_counter()
             r = c.post(f"{url}/v1/chat/completions", json=body,
                        headers={"X-Session-ID": f"bench-{i}"})

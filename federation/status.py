@@ -28,7 +28,10 @@ async def gather(replicas, expected: int) -> list[dict]:
     """Summaries of the replicas reachable through the handle `replicas`, by replica id."""
     seen: dict[str, dict] = {}
     for _ in range(2 * expected + 1):  # routers may pick a seen replica before a new one
-        st = await asyncio.wait_for(replicas.stats.remote({"avoid": list(seen)}), STATS_TIMEOUT_S)
+        try:
+            st = await asyncio.wait_for(replicas.stats.remote({"avoid": list(seen)}), STATS_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - a replica dying or starting: report the others
+            continue
         if st["replica"] in seen and len(seen) >= expected:
             break
         seen[st["replica"]] = summarize(st)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import httpx
+from tqdm import tqdm
 
 from loadtest.client import ChatResult, stream_chat
 
@@ -64,9 +65,13 @@ def run_many(url: str, sessions: list[tuple[str, NextMessages]], body: BodyFn, m
     conc = concurrency or len(sessions)
     deadline = time.perf_counter() + time_limit
     t0 = time.perf_counter()
-    with http_client(conc) as client, ThreadPoolExecutor(max_workers=conc) as pool:
+    # progress on a terminal only (disable=None: off when stderr is not a TTY, as in tests)
+    with http_client(conc) as client, ThreadPoolExecutor(max_workers=conc) as pool, \
+            tqdm(total=len(sessions), desc="sessions", unit="session", leave=False, disable=None) as bar:
         futs = [pool.submit(run_session, client, url, i, sid, nm, body, max_turns, deadline, timeout)
                 for i, (sid, nm) in enumerate(sessions)]
+        for f in futs:
+            f.add_done_callback(lambda _: bar.update())
         out = [f.result() for f in futs]
     return out, time.perf_counter() - t0
 
@@ -76,7 +81,7 @@ def replay(url: str, turns: list[list[Turn]], body: BodyFn, timeout: float,
     """The reference: every recorded turn's exact messages, resent one request at a time."""
     out: list[list[ChatResult]] = []
     with http_client(1) as client:
-        for session in turns:
+        for session in tqdm(turns, desc="reference replay", unit="session", leave=False, disable=None):
             out.append([stream_chat(client, url, body(t.messages),
                                     session=f"{t.result.session}{suffix}", timeout=timeout)
                         for t in session])

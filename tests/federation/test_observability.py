@@ -169,3 +169,33 @@ def test_status_screen_shows_each_replica_kv_and_sessions():
 def test_status_command_reports_an_unreachable_url(capsys):
     assert cli_main(["status", "--url", f"http://127.0.0.1:{free_port()}"]) == 1
     assert "error" in capsys.readouterr().err
+
+
+class FakeReplicas:
+    """A deployment handle whose router honours `avoid`; the first call hits a dying replica."""
+
+    def __init__(self, ids: list[str]) -> None:
+        self.ids, self.calls = ids, 0
+        self.stats = self
+
+    def remote(self, routing: dict):
+        self.calls += 1
+        calls, avoid = self.calls, set(routing["avoid"])
+
+        async def answer() -> dict:
+            if calls == 1:
+                raise RuntimeError("replica died")
+            rid = next((i for i in self.ids if i not in avoid), self.ids[0])
+            return {"replica": rid, "total_kv_blocks": 10, "free_kv_blocks": 10,
+                    "resident_sessions": [rid]}
+        return answer()
+
+
+def test_gather_reaches_every_replica_through_the_avoid_list_despite_a_failure():
+    import asyncio
+
+    from federation.status import gather
+
+    fake = FakeReplicas(["r2", "r1", "r3"])
+    out = asyncio.run(gather(fake, 3))
+    assert [r["replica"] for r in out] == ["r1", "r2", "r3"] and all(r["sessions"] == 1 for r in out)
