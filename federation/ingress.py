@@ -8,6 +8,7 @@ Decode is batch-invariant, so the client receives exactly the bytes of an uninte
 
 import asyncio
 import json
+import time
 from typing import AsyncIterator
 
 import ray
@@ -33,6 +34,7 @@ class _ReplicaLost(Exception):
     pass
 
 
+CAPACITY_REFRESH_S = 5.0
 _ENGINE_DEAD = "engine_dead"  # a replica whose engine loop stopped: retry elsewhere
 
 
@@ -58,7 +60,8 @@ class Ingress:
                                  self.cfg.rate_limit_burst or 2 * self.cfg.rate_limit_rps)
         self.replicas = replicas
         self.active = 0
-        self.capacity = self.cfg.num_replicas * self.cfg.max_running_streams + self.cfg.max_queued_requests
+        self.capacity = self._capacity(self.cfg.num_replicas)
+        self._capacity_checked = time.monotonic()  # the replica count is re-read every few seconds
         self.metrics = IngressMetrics()
         self.failovers, self.replayed = self.metrics.failovers, self.metrics.replayed
 
@@ -162,7 +165,25 @@ class Ingress:
                                f"serves {self.cfg.name!r}", param="model", code="model_not_found")
         return body
 
+    def _capacity(self, replicas: int) -> int:
+        return replicas * self.cfg.max_running_streams + self.cfg.max_queued_requests
+
+    async def _refresh_capacity(self) -> None:
+        """Capacity follows the replicas Serve runs now: a `serve deploy` that scales the Replica
+        deployment changes it without restarting this ingress."""
+        try:
+            app = serve.get_replica_context().app_name
+            status = await asyncio.to_thread(serve.status)
+            running = status.applications[app].deployments["Replica"].replica_states.get("RUNNING", 0)
+        except Exception:  # noqa: BLE001 - keep the last known capacity
+            return
+        if running:
+            self.capacity = self._capacity(running)
+
     def _admit(self) -> None:
+        if time.monotonic() - self._capacity_checked > CAPACITY_REFRESH_S:
+            self._capacity_checked = time.monotonic()
+            self._refresh = asyncio.get_running_loop().create_task(self._refresh_capacity())
         if self.active >= self.capacity:
             self.metrics.rejected.inc(tags={"code": "overloaded"})
             raise api.APIError(429, "all replicas are busy and the queue is full; retry later",

@@ -39,6 +39,31 @@ def start(cfg: FederationConfig, host: str = "127.0.0.1", port: int = 8000,
     return f"http://{host}:{port}"
 
 
+def serve_config(cfg: FederationConfig, host: str = "127.0.0.1", port: int = 8000,
+                 proxy_location: str = "EveryNode", replicas: int | None = None) -> dict:
+    """The Serve config (what cluster/*.yaml hold) that deploys `cfg`. `replicas` goes into the
+    Replica deployment's override: Serve changes that count without restarting the replicas that
+    stay, where a change in `args` restarts every replica of the application."""
+    app = {"name": "fedserve", "route_prefix": "/", "import_path": "federation.app:build_app",
+           "args": cfg.model_dump(mode="json", exclude_defaults=True)}
+    if replicas is not None:
+        app["deployments"] = [{"name": "Replica", "num_replicas": replicas}]
+    return {"proxy_location": proxy_location, "http_options": {"host": host, "port": port},
+            "applications": [app]}
+
+
+def deploy_config(config: dict) -> None:
+    """Apply a Serve config on the connected cluster, as `serve deploy` does (through the
+    controller directly, so no dashboard is needed)."""
+    from ray.serve._private.api import serve_start
+    from ray.serve.schema import ServeDeploySchema
+
+    schema = ServeDeploySchema.model_validate(config)
+    client = serve_start(http_options=config.get("http_options"),
+                         proxy_location=config.get("proxy_location"))
+    client.deploy_apps(schema)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
