@@ -64,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     bf.add_argument("--max-tokens", type=int, default=48)
     bf.add_argument("--json", default=None)
 
+    dep = sub.add_parser("deploy", help="check a Serve config (cluster/*.yaml), then deploy it "
+                                        "to a running Ray cluster (as `serve deploy` does)")
+    dep.add_argument("config", help="a Serve config file, e.g. cluster/gpu.yaml")
+    dep.add_argument("--address", default=None, help="the Ray dashboard's address (default: "
+                     "RAY_DASHBOARD_ADDRESS, else http://127.0.0.1:8265)")
+    dep.add_argument("--check", action="store_true", help="only check the file; deploy nothing")
+
     st = sub.add_parser("status", help="one screen: replicas, their load, KV use and sessions")
     st.add_argument("--url", default="http://127.0.0.1:8000", help="the federation's base URL")
     st.add_argument("--api-key", default=None, help="sent as a Bearer token, where keys are required")
@@ -160,6 +167,25 @@ def cmd_bench_engine(args) -> int:
     return 0
 
 
+def cmd_deploy(args) -> int:
+    import os
+
+    from federation import deploy
+
+    try:
+        deploy.check(deploy.load(args.config))
+    except (OSError, ValueError) as e:
+        print(f"error: {args.config}: {e}", file=sys.stderr)
+        return 2
+    if args.check:
+        print(f"{args.config}: ok")
+        return 0
+    address = args.address or os.environ.get("RAY_DASHBOARD_ADDRESS") or deploy.DEFAULT_ADDRESS
+    deploy.deploy(args.config, address)
+    print(f"deployed {args.config} to {address}; watch it with `serve status` or `fedserve status`")
+    return 0
+
+
 def cmd_status(args) -> int:
     import httpx
 
@@ -197,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_generate(args)
     if args.command == "up":
         return cmd_up(args)
+    if args.command == "deploy":
+        return cmd_deploy(args)
     if args.command == "status":
         return cmd_status(args)
     if args.command == "dashboards":

@@ -35,18 +35,10 @@ def validate_launcher(cfg: dict) -> None:
 
 
 def validate_serve(cfg: dict) -> None:
-    from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
+    """Serve's schema, no key Serve would ignore, our args (what `fedserve deploy` checks)."""
+    from federation.deploy import check
 
-    from federation.config import FederationConfig
-
-    schema = ServeDeploySchema.model_validate(cfg)
-    # Serve accepts unknown keys (forward compatibility); ours must all be known
-    assert set(cfg) <= set(ServeDeploySchema.model_fields), set(cfg) - set(ServeDeploySchema.model_fields)
-    for app in cfg["applications"]:
-        assert set(app) <= set(ServeApplicationSchema.model_fields), set(app)
-    for app in schema.applications:
-        assert app.import_path == "federation.app:build_app"
-        FederationConfig(**app.args)  # extra="forbid": a misspelled arg fails here
+    check(cfg)
 
 
 VALIDATE = {"launcher": validate_launcher, "serve": validate_serve}
@@ -119,3 +111,15 @@ def test_prometheus_config_passes_promtool():
                           os.path.join(ROOT, "cluster", "prometheus.yml")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_fedserve_deploy_checks_the_file_before_sending(tmp_path, capsys):
+    from federation.cli import main
+
+    assert main(["deploy", "--check", os.path.join(ROOT, "cluster", "gpu.yaml")]) == 0
+    cfg = load(os.path.join(ROOT, "cluster", "gpu.yaml"))
+    cfg["applications"][0]["args"]["max_running_stream"] = 8
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(cfg))
+    assert main(["deploy", str(bad)]) == 2  # refused before any address is contacted
+    assert "max_running_stream" in capsys.readouterr().err
