@@ -19,8 +19,8 @@ from kernels import triton_attention, triton_int4, triton_moe, triton_q4
 from kernels.linear import Linear
 
 DEV = "cuda"
-Q4_TILES = ("16x64x128w1s3", "16x128x128w1s3", "16x64x128w4s3")  # the first is the engine's
-ATTN_CASES = ((1, 2048), (64, 2048), (8, 8192), (1, 32768), (16, 32768))  # (tokens, ctx)
+Q4_TILES = ("16x64x128w1s3", "16x64x128w1s2", "16x64x64w1s3", "16x64x64w1s4")  # first: engine's
+ATTN_CASES = ((1, 128), (64, 128), (1, 2048), (64, 2048), (8, 8192), (1, 32768), (16, 32768))
 # the previous engine kernels (v5: fixed 16x32x128w4 tile, no split-K, KV fp32), same bench,
 # from kernels/GPU_NOTES.md: (kernel, shape, M) -> GB/s
 V5_GBS = {("linear_q4", "qkv", 1): 410, ("linear_q4", "qkv", 64): 208, ("linear_q4", "o", 1): 227,
@@ -110,11 +110,21 @@ def bench_linear(copy_gbs: float, ms_list, tiles) -> list[dict]:
     return rows
 
 
-def bench_moe(copy_gbs: float, ts) -> list[dict]:
+def bench_moe(copy_gbs: float, ts, tiles) -> list[dict]:
     g = torch.Generator(DEV).manual_seed(1)
     router = triton_int4.to_gpu_format(rand_q4(128, 2048, g))
-    layers = [triton_moe.StackedExperts.stack(tuple((rand_q4(1536, 2048, g), rand_q4(2048, 768, g))
-                                                    for _ in range(128))) for _ in range(2)]
+    experts = [tuple((rand_q4(1536, 2048, g), rand_q4(2048, 768, g)) for _ in range(128))
+               for _ in range(2)]
+    rows = []
+    for tname, tile in tiles.items():
+        layers = [triton_moe.StackedExperts.stack(e, tile) for e in experts]
+        rows += _bench_moe_tile(copy_gbs, ts, router, layers, g)
+        del layers
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _bench_moe_tile(copy_gbs: float, ts, router, layers, g) -> list[dict]:
     rows = []
     for t in ts:
         x = torch.randn(t, 2048, generator=g, device=DEV)
@@ -137,21 +147,24 @@ def bench_moe(copy_gbs: float, ts) -> list[dict]:
         rows.append(dict(kernel="moe_route", shape="128x2048", m=t, variant="q4", ms=ms,
                          gbs=router_bytes / ms / 1e6, pct_copy=100 * router_bytes / ms / 1e6 / copy_gbs))
 
-        def full():
-            triton_moe.route(x, router, 8, True, ids, wts)
-            triton_moe.experts_forward(x, ids, lay(), inter, y)
-            triton_moe.combine(y, wts, out)
-        ms = timed(full, "moe")
-        gbs = nbytes / ms / 1e6
-        st = layers[0]
-        rows.append(dict(kernel="moe", shape=f"E128 k8 touched={touched}", m=t,
-                         variant=f"{triton_moe.Q4_EXPERT_TILE.name} S={st.gu_split}/{st.down_split}",
-                         ms=ms, gbs=gbs, pct_copy=100 * gbs / copy_gbs,
-                         v5_gbs=V5_GBS.get(("moe", "E128 k8", t))))
+        for x_half in (False, True):  # experts read x as fp16 (one conversion kernel first)
+            def full():
+                triton_moe.route(x, router, 8, True, ids, wts)
+                triton_moe.experts_forward(x.half() if x_half else x, ids, lay(), inter, y)
+                triton_moe.combine(y, wts, out)
+            ms = timed(full, "moe")
+            gbs = nbytes / ms / 1e6
+            st = layers[0]
+            rows.append(dict(kernel="moe", shape=f"E128 k8 touched={touched}", m=t,
+                             variant=f"{st.tile.name} S={st.gu_split}/{st.down_split}"
+                                     f"{' x16' if x_half else ''}",
+                             ms=ms, gbs=gbs, pct_copy=100 * gbs / copy_gbs,
+                             v5_gbs=V5_GBS.get(("moe", "E128 k8", t))))
     return rows
 
 
-def bench_attention(copy_gbs: float, dtypes=(torch.bfloat16, torch.float32)) -> list[dict]:
+def bench_attention(copy_gbs: float, dtypes=(torch.bfloat16, torch.float32),
+                    splits=(512, 256)) -> list[dict]:
     g = torch.Generator(DEV).manual_seed(2)
     h, kvh, d, bs = 32, 4, 128, 16
     rows = []
@@ -166,12 +179,13 @@ def bench_attention(copy_gbs: float, dtypes=(torch.bfloat16, torch.float32)) -> 
             ctx = torch.full((t,), ctx_len, dtype=torch.int32, device=DEV)
             q = torch.randn(t, h, d, generator=g, device=DEV)
             out = torch.empty_like(q)
-            ms = timed(lambda: triton_attention.paged_attention(q, kc, vc, tables, rows_t, ctx,
-                                                                d ** -0.5, out), "attention")
             nbytes = 2 * kc.numel() * kc.element_size()
-            rows.append(dict(kernel="paged_attention", shape=f"ctx={ctx_len} {str(dtype)[6:]}",
-                             m=t, variant=f"split{triton_attention.SPLIT}", ms=ms,
-                             gbs=nbytes / ms / 1e6, pct_copy=100 * nbytes / ms / 1e6 / copy_gbs))
+            for split in splits if dtype == torch.bfloat16 else splits[:1]:
+                ms = timed(lambda: triton_attention.paged_attention(
+                    q, kc, vc, tables, rows_t, ctx, d ** -0.5, out, split=split), "attention")
+                rows.append(dict(kernel="paged_attention", shape=f"ctx={ctx_len} {str(dtype)[6:]}",
+                                 m=t, variant=f"split{split}", ms=ms, gbs=nbytes / ms / 1e6,
+                                 pct_copy=100 * nbytes / ms / 1e6 / copy_gbs))
             del kc, vc
         torch.cuda.empty_cache()
     return rows
@@ -203,7 +217,7 @@ def main() -> None:
     print(format_rows(rows), flush=True)
     rows_l = bench_linear(copy_gbs, ms_list, tiles)
     print(format_rows(rows_l), flush=True)
-    rows_m = bench_moe(copy_gbs, ms_list)
+    rows_m = bench_moe(copy_gbs, ms_list, tiles)
     print(format_rows(rows_m), flush=True)
     rows += rows_l + rows_m
     if args.json:

@@ -37,6 +37,7 @@ Q4_EXPERT_TILE = Q4Tile()
 # q4 expert K splits are sized for one token's top-k (≈ 8 experts): n-tiles × splits ≤ this
 EXPERT_PROGRAMS = 128
 SCAN = 64  # assignments examined per step when grouping (fixed)
+CHUNK_TOKENS = 512  # tokens per expert pass: bounds the split-K partials of a long prefill
 
 
 @dataclass(frozen=True, eq=False)
@@ -48,7 +49,8 @@ class StackedExperts:
       q4:  (qs [E, K/32, N, 16] uint8, sm [E, K/32, N, 2] fp16)  — triton_q4's layout
       q8:  (qs [E, N, K] int8, scale [E, N, K/32] fp16);   f32: (w [E, N, K], w)
     with N, K = 2*I, hidden for gu and hidden, I for down. q4 experts also carry their K split
-    counts (by shape) and the split programs' ticket counters, one per (slot, n-tile).
+    counts (by shape, for their tile) and the split programs' ticket counters, one per
+    (slot, n-tile).
     """
 
     fmt: str
@@ -61,9 +63,11 @@ class StackedExperts:
     down_split: int = 1
     gu_tickets: torch.Tensor | None = None
     down_tickets: torch.Tensor | None = None
+    tile: Q4Tile | None = None  # q4: the tile the splits and tickets were counted for
 
     @classmethod
-    def stack(cls, experts: tuple[tuple[Linear, Linear], ...]) -> "StackedExperts":
+    def stack(cls, experts: tuple[tuple[Linear, Linear], ...],
+              tile: Q4Tile = Q4_EXPERT_TILE) -> "StackedExperts":
         fmt = experts[0][0].fmt
         if any(x.fmt != fmt for pair in experts for x in pair):
             raise ValueError("experts must share one weight format")
@@ -84,11 +88,12 @@ class StackedExperts:
         down = st([d for _, d in experts])
         if fmt != "q4":
             return cls(fmt, e, hidden, inter, gu, down)
-        tile, dev = Q4_EXPERT_TILE, gu[0].device
+        dev = gu[0].device
         gs = split_count(2 * inter, hidden, tile, EXPERT_PROGRAMS)
         ds = split_count(hidden, inter, tile, EXPERT_PROGRAMS)
         tickets = lambda n: torch.zeros(e * triton.cdiv(n, tile.bn), dtype=torch.int32, device=dev)  # noqa: E731
-        return cls(fmt, e, hidden, inter, gu, down, gs, ds, tickets(2 * inter), tickets(hidden))
+        return cls(fmt, e, hidden, inter, gu, down, gs, ds, tickets(2 * inter), tickets(hidden),
+                   tile)
 
     @property
     def nbytes(self) -> int:
@@ -343,15 +348,30 @@ def route(x: torch.Tensor, router: Linear, top_k: int, norm_topk_prob: bool,
 
 
 def experts_forward(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
-                    inter: torch.Tensor, y: torch.Tensor,
-                    tile: TileConfig | Q4Tile | None = None) -> None:
+                    inter: torch.Tensor, y: torch.Tensor, tile: TileConfig | None = None) -> None:
     """y [T*k, hidden] ← expert(ids[t, r]) applied to x[t], row a = t*k + r; inter [T*k, I]
     (float16 for q4/q8 experts: the down GEMM rounds it to fp16 anyway, so the bits are the
-    same and its bytes half). tile: a Q4Tile for q4 experts (its split counts were fixed by
-    StackedExperts.stack for Q4_EXPERT_TILE's BK), a TileConfig for f32/q8."""
+    same and its bytes half); x float32, or float16 for q4/q8 experts (same bits, half the
+    bytes). q4 experts run the tile they were stacked for; tile is the f32/q8 one. Tokens go CHUNK_TOKENS per pass (a token's bits do not depend on its pass)."""
+    t, top_k = ids.shape
+    if (inter.shape[0], y.shape[0]) != (t * top_k, t * top_k):
+        raise ValueError("inter [T*k, I] and y [T*k, hidden] expected")
+    for t0 in range(0, max(t, 1), CHUNK_TOKENS):
+        t1 = min(t, t0 + CHUNK_TOKENS)
+        _experts_pass(x[t0:t1], ids[t0:t1], experts, inter[t0 * top_k:t1 * top_k],
+                      y[t0 * top_k:t1 * top_k], tile)
+
+
+def _experts_pass(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
+                  inter: torch.Tensor, y: torch.Tensor, tile: TileConfig | None) -> None:
     t, top_k = ids.shape
     tk = t * top_k
-    check_x(x, experts.hidden)
+    if experts.fmt != "f32" and x.dtype == torch.float16:  # the GEMM rounds x to fp16 anyway
+        check_x(x.float()[:0], experts.hidden)
+        if x.stride(1) != 1:
+            raise ValueError("x: rows must be contiguous")
+    else:
+        check_x(x, experts.hidden)
     if inter.shape != (tk, experts.inter) or y.shape != (tk, experts.hidden):
         raise ValueError("inter [T*k, I] and y [T*k, hidden] expected")
     if y.dtype != torch.float32 or not y.is_contiguous() or not inter.is_contiguous():
@@ -360,11 +380,7 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
         raise ValueError(f"inter must be {inter_dtype(experts)} for {experts.fmt} experts")
     if tk == 0:
         return
-    q4 = experts.fmt == "q4"
-    tile = tile or (Q4_EXPERT_TILE if q4 else EXPERT_TILE)
-    if q4 and (tile.bk != Q4_EXPERT_TILE.bk or tile.bn < Q4_EXPERT_TILE.bn):
-        raise ValueError(f"q4 expert splits and tickets are counted for {Q4_EXPERT_TILE.name}: "
-                         "same BK, BN at least as wide")
+    tile = experts.tile if experts.fmt == "q4" else tile or EXPERT_TILE
     fmt = FMT_CODES[experts.fmt]
     dev = x.device
     slots = min(experts.num_experts, tk)  # at most this many experts are routed to

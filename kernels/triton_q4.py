@@ -34,7 +34,9 @@ from kernels.linear import QBLOCK, Linear
 
 MAX_PROGRAMS = 1024  # target CTAs for one weight at M = 1 (8 one-warp CTAs per SM on an H200)
 MAX_SPLIT = 16
-MAX_ROWS = 8192  # rows per launch (the ticket buffer covers MAX_ROWS / BM row tiles)
+MAX_ROWS = 8192  # rows per launch, unsplit weights
+SPLIT_ROWS = 512  # rows per launch, split weights: bounds the partials (S x rows x N fp32) and
+# the ticket buffer (SPLIT_ROWS / BM row tiles); prefill chunks go several launches
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,7 @@ def repack(lin: Linear, tile: Q4Tile = LINEAR_TILE, programs: int = MAX_PROGRAMS
     split = split_count(o, i, tile, programs)
     tickets = None
     if split > 1:
-        tickets = torch.zeros(MAX_ROWS // tile.bm * triton.cdiv(o, tile.bn), dtype=torch.int32,
+        tickets = torch.zeros(SPLIT_ROWS // tile.bm * triton.cdiv(o, tile.bn), dtype=torch.int32,
                               device=qs.device)
     return Q4Linear("q4", o, i, qs=qs, sm=sm, split=split, tickets=tickets)
 
@@ -290,15 +292,17 @@ def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
            residual: torch.Tensor | None = None, tile: Q4Tile = LINEAR_TILE,
            asm: bool | None = None) -> torch.Tensor:
     """out [n, N] = x @ W.T (+ residual); x [n, K] float32 with contiguous rows; returns out.
-    Rows go MAX_ROWS per launch (a row's bits do not depend on which launch it is in).
+    Rows go MAX_ROWS (split weights: SPLIT_ROWS) per launch; a row's bits do not depend on
+    which launch it is in.
     asm: the inline-PTX dequant (default: on CUDA); False runs the plain-Triton one (tests)."""
     asm = use_asm(x) if asm is None else asm
     n, big_n, k = x.shape[0], lin.out_features, lin.in_features
-    if lin.split > 1 and (lin.tickets is None or lin.tickets.numel() < MAX_ROWS // tile.bm
+    step = MAX_ROWS if lin.split == 1 else SPLIT_ROWS
+    if lin.split > 1 and (lin.tickets is None or lin.tickets.numel() < step // tile.bm
                           * triton.cdiv(big_n, tile.bn)):
         raise ValueError("q4 linear: tickets sized for another tile")
-    for r0 in range(0, n, MAX_ROWS):
-        r1 = min(n, r0 + MAX_ROWS)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
         xs, ys = x[r0:r1], out[r0:r1]
         res = residual[r0:r1] if residual is not None else ys
         ws = (torch.empty(lin.split, r1 - r0, big_n, dtype=torch.float32, device=x.device)
