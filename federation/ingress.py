@@ -9,6 +9,7 @@ Decode is batch-invariant, so the client receives exactly the bytes of an uninte
 import asyncio
 import json
 import time
+from dataclasses import replace
 from typing import AsyncIterator
 
 import ray
@@ -21,6 +22,7 @@ from pydantic import ValidationError
 from federation import openai_api as api
 from federation.config import FederationConfig
 from federation.tenancy import RateLimits, Tenants, namespaced
+from replica.wire import EmbedResult, ErrorEvent, GenerateCall, TokenEvent
 from federation.metrics import IngressMetrics
 
 app = FastAPI(title="fedserve", docs_url=None, redoc_url=None)
@@ -73,15 +75,18 @@ class Ingress:
             raise api.APIError(413, f"{len(body.messages)} messages exceed the limit of "
                                f"{self.cfg.max_messages}", param="messages", code="too_many_messages")
         max_tokens = self._max_tokens(body.max_completion_tokens or body.max_tokens)
-        payload = {"messages": body.engine_messages(), "params": body.params(max_tokens)}
-        return await self._run(request, body, payload, chat=True)
+        call = GenerateCall(request_id="", params=body.params(max_tokens),
+                            messages=tuple(body.engine_messages()))
+        return await self._run(request, body, call, chat=True)
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
         body = await self._body(request, api.CompletionRequest)
-        key = "prompt_token_ids" if isinstance(body.prompt, list) else "prompt"
-        payload = {key: body.prompt, "params": body.params(self._max_tokens(body.max_tokens or 16))}
-        return await self._run(request, body, payload, chat=False)
+        params = body.params(self._max_tokens(body.max_tokens or 16))
+        call = (GenerateCall(request_id="", params=params, prompt_token_ids=tuple(body.prompt))
+                if isinstance(body.prompt, list) else
+                GenerateCall(request_id="", params=params, prompt=body.prompt))
+        return await self._run(request, body, call, chat=False)
 
     @app.post("/v1/embeddings")
     async def embeddings(self, request: Request):
@@ -94,11 +99,11 @@ class Ingress:
         out = await self._embed(texts)
         data = [{"object": "embedding", "index": i,
                  "embedding": api.encode_embedding(v, body.encoding_format)}
-                for i, v in enumerate(out["vectors"])]
+                for i, v in enumerate(out.vectors)]
         return JSONResponse({"object": "list", "data": data, "model": self.cfg.name,
-                             "usage": {"prompt_tokens": out["prompt_tokens"],
-                                       "total_tokens": out["prompt_tokens"]}},
-                            headers={"X-Session-ID": "", "X-Fedserve-Replica": out["replica"]})
+                             "usage": {"prompt_tokens": out.prompt_tokens,
+                                       "total_tokens": out.prompt_tokens}},
+                            headers={"X-Session-ID": "", "X-Fedserve-Replica": out.replica})
 
     @app.get("/v1/models")
     async def models(self, request: Request):
@@ -193,26 +198,24 @@ class Ingress:
     def _session(self, request: Request, body) -> str:
         return request.headers.get("x-session-id") or body.session_id or body.session_key()
 
-    async def _events(self, payload: dict) -> AsyncIterator[dict]:
+    async def _events(self, call: GenerateCall) -> AsyncIterator[TokenEvent]:
         """The request's events across failovers. Raises APIError on a request error."""
         emitted: list[int] = []
         dead: list[str] = []
-        base_id = payload["request_id"]
         for attempt in range(self.cfg.max_failovers + 1):
-            payload = {**payload, "resume_token_ids": list(emitted), "avoid": list(dead),
-                       "request_id": f"{base_id}-{attempt}"}
             last = None
-            gen = self.replicas.options(stream=True).generate.remote(payload)
+            gen = self.replicas.options(stream=True).generate.remote(call.retry(attempt, emitted, dead))
             try:
                 async for ev in gen:
-                    if "error" in ev:
-                        if ev["error"].get("code") == _ENGINE_DEAD:  # that replica is lost
-                            raise _ReplicaLost(ev["error"].get("message", _ENGINE_DEAD))
-                        raise api.APIError.from_event(ev["error"])
-                    last = ev["replica"]
-                    emitted += ev["token_ids"]
+                    if isinstance(ev, ErrorEvent):
+                        if ev.code == _ENGINE_DEAD:  # that replica is lost
+                            last = ev.replica or last
+                            raise _ReplicaLost(ev.message)
+                        raise api.APIError.from_event(ev)
+                    last = ev.replica
+                    emitted += ev.token_ids
                     yield ev
-                    if ev["finished"]:
+                    if ev.finished:
                         return
                 raise _ReplicaLost("the replica's stream ended early")
             except (_ReplicaLost, *_LOST) as e:
@@ -233,7 +236,7 @@ class Ingress:
                                headers={"Retry-After": str(self.cfg.retry_after_s)})
         await asyncio.sleep(min(0.25 * 2 ** attempt, 4.0))
 
-    async def _embed(self, texts: list[str]) -> dict:
+    async def _embed(self, texts: list[str]) -> EmbedResult:
         """Embeddings, retried on another replica when one is lost (nothing to replay)."""
         for attempt in range(self.cfg.max_failovers + 1):
             try:
@@ -241,22 +244,22 @@ class Ingress:
             except _LOST as e:
                 await self._before_retry(attempt, e)
                 continue
-            if "error" in out:
-                if out["error"].get("code") == _ENGINE_DEAD:
+            if isinstance(out, ErrorEvent):
+                if out.code == _ENGINE_DEAD:
                     await self._before_retry(attempt, _ReplicaLost(_ENGINE_DEAD))
                     continue
-                raise api.APIError.from_event(out["error"])
+                raise api.APIError.from_event(out)
             return out
         raise AssertionError("unreachable: _before_retry raises on the last attempt")
 
-    async def _run(self, request: Request, body, payload: dict, chat: bool):
+    async def _run(self, request: Request, body, call: GenerateCall, chat: bool):
         self._admit()
         session = self._session(request, body)  # the client's key; behind us, the tenant's
-        payload.update(session_key=namespaced(request.state.tenant, session),
+        call = replace(call, session_id=namespaced(request.state.tenant, session),
                        request_id=api.new_id("req"))
         rid = api.new_id("chatcmpl" if chat else "cmpl")
         model = self.cfg.name
-        events = self._events(payload)
+        events = self._events(call)
         self.active += 1
         try:
             first = await anext(events)  # errors before any token become plain HTTP errors
@@ -264,24 +267,24 @@ class Ingress:
             self.active -= 1
             await events.aclose()
             raise
-        headers = {"X-Session-ID": session, "X-Fedserve-Replica": first["replica"]}
+        headers = {"X-Session-ID": session, "X-Fedserve-Replica": first.replica}
         if body.stream:
             return StreamingResponse(self._sse(events, first, rid, model, chat, body.include_usage),
                                      media_type="text/event-stream", headers=headers)
         try:
-            text, last = first["text"], first
+            text, last = first.text, first
             async for ev in events:
-                text += ev["text"]
+                text += ev.text
                 last = ev
         finally:
             self.active -= 1
             await events.aclose()
-        headers["X-Fedserve-Replica"] = last["replica"]
-        use = api.usage(last["prompt_tokens"], last["completion_tokens"], last["cached_tokens"])
+        headers["X-Fedserve-Replica"] = last.replica
+        use = api.usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
         build = api.chat_response if chat else api.completion_response
-        return JSONResponse(build(rid, model, text, last["finish_reason"], use), headers=headers)
+        return JSONResponse(build(rid, model, text, last.finish_reason, use), headers=headers)
 
-    async def _sse(self, events, first: dict, rid: str, model: str, chat: bool,
+    async def _sse(self, events, first: TokenEvent, rid: str, model: str, chat: bool,
                    include_usage: bool) -> AsyncIterator[str]:
         """SSE frames; a client disconnect cancels this generator, which aborts the stream."""
         chunk = api.chat_chunk if chat else api.completion_chunk
@@ -290,13 +293,13 @@ class Ingress:
                 yield api.chat_chunk(rid, model, {"role": "assistant", "content": ""})
             ev = first
             while True:
-                reason = ev["finish_reason"] if ev["finished"] else None
-                if ev["text"] or reason:
-                    yield (chunk(rid, model, {"content": ev["text"]} if ev["text"] else {}, reason)
-                           if chat else chunk(rid, model, ev["text"], reason))
-                if ev["finished"]:
+                reason = ev.finish_reason if ev.finished else None
+                if ev.text or reason:
+                    yield (chunk(rid, model, {"content": ev.text} if ev.text else {}, reason)
+                           if chat else chunk(rid, model, ev.text, reason))
+                if ev.finished:
                     if include_usage:
-                        use = api.usage(ev["prompt_tokens"], ev["completion_tokens"], ev["cached_tokens"])
+                        use = api.usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens)
                         yield (chunk(rid, model, {}, None, use, choices=False) if chat
                                else chunk(rid, model, "", None, use, choices=False))
                     break

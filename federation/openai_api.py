@@ -27,11 +27,17 @@ class APIError(Exception):
                           "code": self.code}}
 
     @classmethod
-    def from_event(cls, err: dict) -> "APIError":
-        """From a replica's error event (replica/server.py error_event)."""
-        status = err.get("status", 500)
+    def from_event(cls, err) -> "APIError":
+        """From a replica's ErrorEvent (replica/wire.py): its error kind mapped to a status."""
+        status = STATUS_OF_CODE.get(err.code, 500)
         kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
-        return cls(status, err.get("message", "error"), kind, err.get("param"), err.get("code"))
+        return cls(status, err.message, kind, err.param, err.code)
+
+
+# the engine's error kinds (replica/errors.py codes) → HTTP status; anything else is our bug
+STATUS_OF_CODE = {"invalid_request": 400, "context_length_exceeded": 400, "model_format_error": 400,
+                  "model_not_found": 404, "cancelled": 499, "engine_dead": 503,
+                  "insufficient_device_memory": 503, "internal_error": 500}
 
 
 class Message(BaseModel):

@@ -12,23 +12,31 @@ import asyncio
 import itertools
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from federation.directory import directory_actor
 from federation.metrics import RouterMetrics
+from replica.wire import call_routing
 
 log = logging.getLogger("fedserve.router")
 
 DIRECTORY_TIMEOUT_S = 2.0  # one directory call; beyond it the router places without it
 DIRECTORY_BACKOFF_S = 2.0  # after a failed call, how long the router does not ask again
+# a session's replica is the only rank offered this many times (Serve asks again after each
+# failed round, backing off): a queue-length probe slow on a busy machine must not move a
+# session off its KV; after that the other replicas are fallbacks, so a replica that stopped
+# answering cannot hold a request until its death is noticed
+STICKY_ROUNDS = 5
+RECENT_PLACEMENTS = 100_000  # sessions this router remembers placing (its fallback directory)
 
 
-def _payload(request: PendingRequest | None) -> dict:
-    if request is None or not request.args or not isinstance(request.args[0], dict):
-        return {}
-    return request.args[0]
+def _routing(request: PendingRequest | None) -> tuple[str | None, tuple[str, ...]]:
+    """(session id, replicas to avoid) of a pending call (replica/wire.py)."""
+    if request is None or not request.args:
+        return None, ()
+    return call_routing(request.args[0])
 
 
 def _ranks(first: RunningReplica, rest: list[RunningReplica]) -> list[list[RunningReplica]]:
@@ -38,7 +46,7 @@ def _ranks(first: RunningReplica, rest: list[RunningReplica]) -> list[list[Runni
 
 def _usable(candidates: list[RunningReplica], request: PendingRequest | None) -> list[RunningReplica]:
     """Candidates minus the replicas a failover asks to avoid (unless none would remain)."""
-    avoid = set(_payload(request).get("avoid", ()))
+    avoid = set(_routing(request)[1])
     kept = [r for r in candidates if r.replica_id.unique_id not in avoid]
     return kept or candidates
 
@@ -57,6 +65,11 @@ class StickyRouter(RequestRouter):
         self._reservation: dict[str, str] = {}  # internal request id → reserved replica
         self._metrics = RouterMetrics()
         self._incarnation: str | None = None  # the directory's, as last seen
+        # internal request id → (session, replica chosen): Serve may still send a request to a
+        # fallback rank (the chosen replica's probe failed), and the directory must follow
+        self._placed: dict[str, tuple[str, str]] = {}
+        self._rounds: Counter[str] = Counter()  # internal request id → choose_replicas calls
+        self._recent: OrderedDict[str, str] = OrderedDict()  # session → replica it last ran on
         self._directory_down_until = 0.0
 
     async def _ask(self, method, *args):
@@ -72,20 +85,36 @@ class StickyRouter(RequestRouter):
             return None
 
     async def _lookup(self, session: str, candidates: list[RunningReplica]) -> str | None:
-        """The session's owner per the directory; refills a directory seen restarted."""
+        """The session's owner per the directory (or, while it is unreachable, per this
+        router's own recent placements); refills a directory seen restarted."""
         answer = await self._ask(self._directory.lookup, session)
         if answer is None:
-            return None
+            return self._recent.get(session)
         owner, incarnation = answer
         if incarnation != self._incarnation:
-            resident = {r.replica_id.unique_id: list((r.routing_stats or {}).get("resident_sessions", ()))
-                        for r in candidates}
-            if self._incarnation is not None or any(resident.values()):
-                await self._ask(self._directory.adopt, resident)
-                answer = await self._ask(self._directory.lookup, session)
-                owner = answer[0] if answer is not None else None
             self._incarnation = incarnation
+            await self._refill(candidates)
+            answer = await self._ask(self._directory.lookup, session)
+            owner = answer[0] if answer is not None else self._recent.get(session)
         return owner
+
+    async def _refill(self, candidates: list[RunningReplica]) -> None:
+        """A (re)started directory learns this router's recent placements first (the freshest
+        truth it has), then every session a replica reports it retains."""
+        mine: dict[str, list[str]] = {}
+        for session, rid in self._recent.items():
+            mine.setdefault(rid, []).append(session)
+        resident = {r.replica_id.unique_id: list((r.routing_stats or {}).get("resident_sessions", ()))
+                    for r in candidates}
+        for known in (mine, resident):
+            if any(known.values()):
+                await self._ask(self._directory.adopt, known)
+
+    def _remember(self, session: str, rid: str) -> None:
+        self._recent[session] = rid
+        self._recent.move_to_end(session)
+        if len(self._recent) > RECENT_PLACEMENTS:
+            self._recent.popitem(last=False)
 
     def _load(self, r: RunningReplica) -> tuple:
         stats = r.routing_stats or {}
@@ -113,7 +142,7 @@ class StickyRouter(RequestRouter):
             return []
         candidate_replicas = _usable(candidate_replicas, pending_request)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        session = _payload(pending_request).get("session_key")
+        session = _routing(pending_request)[0]
         if session is None:
             ranked = sorted(candidate_replicas, key=self._load)
             return _ranks(ranked[0], ranked[1:])
@@ -131,7 +160,14 @@ class StickyRouter(RequestRouter):
                 chosen = by_id[winner]
                 self._reserve(pending_request, winner)
         self._metrics.placed(reason)
-        return _ranks(chosen, [r for r in ranked if r is not chosen])
+        rest = [r for r in ranked if r is not chosen]
+        if pending_request is not None:
+            key = pending_request.metadata.internal_request_id
+            self._placed[key] = (session, chosen.replica_id.unique_id)
+            self._rounds[key] += 1
+            if reason == "sticky" and self._rounds[key] <= STICKY_ROUNDS:
+                rest = []  # wait for the replica that holds the session's KV
+        return _ranks(chosen, rest)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result) -> None:
@@ -139,9 +175,18 @@ class StickyRouter(RequestRouter):
         self._reserve(pending_request, None)  # now counted as in flight
         self._inflight[rid] += 1
         self._routed[pending_request.metadata.internal_request_id] = rid
+        self._rounds.pop(pending_request.metadata.internal_request_id, None)
+        placed = self._placed.pop(pending_request.metadata.internal_request_id, None)
+        if placed is not None:
+            session, meant = placed
+            self._remember(session, rid)
+            if meant != rid:  # it ran elsewhere: its KV will be there
+                self._directory.place.remote(session, rid, meant)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         rid = self._routed.pop(internal_request_id, replica_id.unique_id)
+        self._placed.pop(internal_request_id, None)
+        self._rounds.pop(internal_request_id, None)
         if self._inflight[rid] > 0:
             self._inflight[rid] -= 1
 
@@ -149,6 +194,8 @@ class StickyRouter(RequestRouter):
         super().on_replica_actor_died(replica_id)
         self._inflight.pop(replica_id.unique_id, None)
         self._reserved.pop(replica_id.unique_id, None)
+        for session in [s for s, r in self._recent.items() if r == replica_id.unique_id]:
+            del self._recent[session]
         self._directory.drop_replica.remote(replica_id.unique_id)
 
 

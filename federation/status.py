@@ -2,7 +2,7 @@
 
 The ingress gathers it (`GET /v1/fedserve/status`) by asking the replica deployment for stats
 once per replica, each call avoiding the replicas already heard from (the routers honour the
-payload's `avoid` list), until a replica answers twice or all expected ones have.
+call's `Reach(avoid=...)`), until a replica answers twice or all expected ones have.
 """
 
 from __future__ import annotations
@@ -26,10 +26,12 @@ def summarize(stats: dict) -> dict:
 
 async def gather(replicas, expected: int) -> list[dict]:
     """Summaries of the replicas reachable through the handle `replicas`, by replica id."""
+    from replica.wire import Reach  # here: the status screen alone needs no torch
+
     seen: dict[str, dict] = {}
     for _ in range(2 * expected + 1):  # routers may pick a seen replica before a new one
         try:
-            st = await asyncio.wait_for(replicas.stats.remote({"avoid": list(seen)}), STATS_TIMEOUT_S)
+            st = await asyncio.wait_for(replicas.stats.remote(Reach(tuple(seen))), STATS_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - a replica dying or starting: report the others
             continue
         if st["replica"] in seen and len(seen) >= expected:

@@ -1,5 +1,6 @@
 """The replica deployment body: one resident Engine per replica (Serve applies the deployment
-options in federation/app.py). Events cross the process boundary as plain dicts."""
+options in federation/app.py). Calls and events cross the process boundary as the frozen
+dataclasses of replica/wire.py."""
 
 from __future__ import annotations
 
@@ -10,17 +11,11 @@ from replica.config import EngineConfig
 from replica.engine import Engine
 from replica.errors import FedserveError
 from replica.metrics import ReplicaMetrics
-from replica.request import Request
-from replica.sampling import SamplingParams
-
-
-def error_event(e: FedserveError) -> dict:
-    return {"error": {"status": e.status, "message": e.message, "param": e.param, "code": e.code,
-                      "type": type(e).__name__}}
+from replica.wire import EmbedResult, ErrorEvent, GenerateCall, Reach, TokenEvent
 
 
 class ReplicaServer:
-    """Owns one Engine. `generate` streams event dicts; `embed` returns vectors."""
+    """Owns one Engine. `generate` streams TokenEvents (or one ErrorEvent); `embed` returns vectors."""
 
     def __init__(self, engine_kwargs: dict) -> None:
         self.engine = Engine(EngineConfig(**engine_kwargs))
@@ -32,52 +27,43 @@ class ReplicaServer:
         except Exception:  # outside Serve (direct use in tests)
             self.replica_id = "local"
 
-    async def generate(self, payload: dict) -> AsyncIterator[dict]:
-        """payload: prompt | prompt_token_ids | messages, params (SamplingParams fields),
-        session_key, resume_token_ids, request_id."""
+    def _error(self, e: FedserveError) -> ErrorEvent:
+        return ErrorEvent(e.code, e.message, e.param, self.replica_id)
+
+    async def generate(self, call: GenerateCall) -> AsyncIterator[TokenEvent | ErrorEvent]:
         try:
-            req = Request(
-                prompt=payload.get("prompt"),
-                prompt_token_ids=(tuple(payload["prompt_token_ids"])
-                                  if payload.get("prompt_token_ids") is not None else None),
-                messages=tuple(payload["messages"]) if payload.get("messages") else None,
-                params=SamplingParams(**payload.get("params", {})),
-                session_id=payload.get("session_key"),
-                resume_token_ids=tuple(payload.get("resume_token_ids") or ()),
-                request_id=payload["request_id"],
-            )
+            req = call.to_request()
             timer = self.metrics.stream()
             async for ev in self.engine.stream(req):
                 timer.event(len(ev.token_ids))
                 if ev.finished:
                     timer.finished(ev.finish_reason, ev.prompt_tokens, ev.cached_tokens)
-                yield {"text": ev.text, "token_ids": list(ev.token_ids), "finished": ev.finished,
-                       "finish_reason": ev.finish_reason, "prompt_tokens": ev.prompt_tokens,
-                       "completion_tokens": ev.completion_tokens,
-                       "cached_tokens": ev.cached_tokens, "replica": self.replica_id}
+                yield TokenEvent(self.replica_id, ev.text, tuple(ev.token_ids), ev.finished,
+                                 ev.finish_reason, ev.prompt_tokens, ev.completion_tokens,
+                                 ev.cached_tokens)
         except FedserveError as e:
-            yield error_event(e)
+            yield self._error(e)
 
-    async def embed(self, texts: list[str]) -> dict:
+    async def embed(self, texts: list[str]) -> EmbedResult | ErrorEvent:
         try:
             vectors = await asyncio.to_thread(self.engine.embed, texts)
             tokens = sum(len(self.engine.tokenizer.encode(t)) for t in texts)
-            return {"vectors": vectors, "prompt_tokens": tokens, "replica": self.replica_id}
+            return EmbedResult(self.replica_id, vectors, tokens)
         except FedserveError as e:
-            return error_event(e)
+            return self._error(e)
 
     def info(self) -> dict:
         cfg = self.engine.model_config
         return {"model": cfg.name, "max_context": cfg.max_position, "synthetic": cfg.synthetic,
                 "replica": self.replica_id}
 
-    def stats(self, routing: dict | None = None) -> dict:
-        """Routing stats on demand; `routing` may carry {"avoid": [...]} to reach a given replica."""
+    def stats(self, reach: Reach | None = None) -> dict:
+        """Routing stats on demand; `reach` steers the call to a given replica."""
         return self.record_routing_stats()
 
-    def check_integrity(self, routing: dict | None = None) -> dict:
+    def check_integrity(self, reach: Reach | None = None) -> dict:
         """The KV pool's invariants, checked on the engine loop between steps (fuzzing and soak
-        tests ask every replica after a run). `routing` as for stop_engine."""
+        tests ask every replica after a run). `reach` as for stats."""
         found: dict = {}
 
         def check() -> None:
@@ -92,10 +78,10 @@ class ReplicaServer:
         return {"replica": self.replica_id, "alive": self.engine.is_alive,
                 "ok": found.get("ok", False), "error": found.get("error")}
 
-    def stop_engine(self, routing: dict | None = None) -> str:
+    def stop_engine(self, reach: Reach | None = None) -> str:
         """Stop this replica's engine (an operator's drain, and the tests' way to fail a health
         check): its streams end with engine_dead and move elsewhere, then Serve replaces it.
-        `routing` may carry {"avoid": [...]} to reach a given replica. Returns the replica id."""
+        `reach` as for stats. Returns the replica id."""
         self.engine.shutdown()
         return self.replica_id
 

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 
 from federation.config import FederationConfig
 from federation.launch import free_port, wait_ready  # noqa: F401 (re-exported for tests)
+from replica.wire import Reach
 
 
 @contextmanager
@@ -33,7 +34,7 @@ def replica_stats(num_replicas: int) -> dict[str, dict]:
     handle = serve.get_deployment_handle("Replica", app_name="fedserve")
     seen: dict[str, dict] = {}
     for _ in range(num_replicas * 4):
-        st = handle.stats.remote({"avoid": list(seen)}).result(timeout_s=30)
+        st = handle.stats.remote(Reach(tuple(seen))).result(timeout_s=30)
         seen[st["replica"]] = st
         if len(seen) == num_replicas:
             break

@@ -22,6 +22,7 @@ import httpx
 import pytest
 import ray
 
+from replica.wire import Reach
 from tests.federation.live import federation, replica_stats
 
 pytestmark = pytest.mark.slow
@@ -134,7 +135,7 @@ def test_a_failing_health_check_moves_the_stream_byte_identical(fed):
     def stop_its_engine(i: int, replica: str) -> None:
         if i == 6 and not stopped:
             others = [k for k in live_replicas(2) if k != replica]
-            stopped.append(replica_handle().stop_engine.remote({"avoid": others}).result(timeout_s=60))
+            stopped.append(replica_handle().stop_engine.remote(Reach(tuple(others))).result(timeout_s=60))
 
     text, replica = read(body, stop_its_engine)
     assert stopped == [replica]  # the engine stopped was the one streaming

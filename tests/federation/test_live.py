@@ -16,6 +16,7 @@ import ray
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from replica.wire import Reach
 from tests.federation.live import federation, replica_stats
 
 pytestmark = pytest.mark.slow
@@ -253,7 +254,7 @@ def every_replica(method: str, n: int) -> dict[str, dict]:
     handle = serve.get_deployment_handle("Replica", app_name="fedserve")
     seen: dict[str, dict] = {}
     for _ in range(n * 4):
-        out = getattr(handle, method).remote({"avoid": list(seen)}).result(timeout_s=60)
+        out = getattr(handle, method).remote(Reach(tuple(seen))).result(timeout_s=60)
         seen[out["replica"]] = out
         if len(seen) == n:
             break

@@ -178,9 +178,9 @@ class FakeReplicas:
         self.ids, self.calls = ids, 0
         self.stats = self
 
-    def remote(self, routing: dict):
+    def remote(self, reach):
         self.calls += 1
-        calls, avoid = self.calls, set(routing["avoid"])
+        calls, avoid = self.calls, set(reach.avoid)
 
         async def answer() -> dict:
             if calls == 1:
