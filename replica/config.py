@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from replica.errors import InvalidRequestError
+
+CPU_KV_CACHE_BYTES = 1 << 30  # the CPU pool when neither num_kv_blocks nor kv_cache_bytes is given
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -18,8 +23,14 @@ class EngineConfig:
     model: str = "smollm2-135m"
     device: str = "cpu"
     block_size: int = 16  # tokens per KV block
-    kv_cache_bytes: int = 1 << 30  # KV pool size when num_kv_blocks is not given
+    kv_cache_bytes: int | None = None  # KV pool size when num_kv_blocks is not given; None:
+    # on CUDA gpu_memory_utilization of the memory free after weights, on CPU CPU_KV_CACHE_BYTES
     num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9  # CUDA: the share of free memory the KV pool and the
+    # step's buffers may take (the pool gets that minus the measured activation peak)
+    kv_dtype: str | None = None  # "float32" | "bfloat16"; None: bfloat16 on CUDA, float32 on CPU
+    fast_prefill: bool | None = None  # prompt tokens past kernels.prefill.MIN_POSITION attend
+    # through tiled attention (kernels/prefill.py); None: on CUDA only
     max_running_streams: int = 64  # 1 = serialized-decode mode
     max_batch_tokens: int | None = None  # token budget of one step (decodes + prefill chunks);
     # None: 256 on CPU, 4096 on CUDA (see batch_tokens)
@@ -31,7 +42,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         checks = {
             "block_size": self.block_size >= 1,
-            "kv_cache_bytes": self.kv_cache_bytes > 0,
+            "kv_cache_bytes": self.kv_cache_bytes is None or self.kv_cache_bytes > 0,
+            "gpu_memory_utilization": 0.0 < self.gpu_memory_utilization <= 1.0,
+            "kv_dtype": self.kv_dtype is None or self.kv_dtype in KV_DTYPES,
             "num_kv_blocks": self.num_kv_blocks is None or self.num_kv_blocks >= 1,
             "max_running_streams": self.max_running_streams >= 1,
             "max_batch_tokens": self.max_batch_tokens is None or self.max_batch_tokens >= 1,
@@ -54,6 +67,22 @@ class EngineConfig:
         if self.max_batch_tokens is not None:
             return self.max_batch_tokens
         return 256 if self.device == "cpu" else 4096
+
+    @property
+    def cuda(self) -> bool:
+        return self.device != "cpu"
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The KV pool's element type: bf16 on CUDA (half the bytes a decode step reads),
+        fp32 on CPU (the C kernels read fp32)."""
+        if self.kv_dtype is not None:
+            return KV_DTYPES[self.kv_dtype]
+        return torch.bfloat16 if self.cuda else torch.float32
+
+    @property
+    def use_fast_prefill(self) -> bool:
+        return self.cuda if self.fast_prefill is None else self.fast_prefill
 
     @property
     def serialized(self) -> bool:

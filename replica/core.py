@@ -15,6 +15,7 @@ import torch
 from replica.config import EngineConfig
 from replica.errors import ContextLengthError, InvalidRequestError
 from replica.kv import BlockPool, KVCache, SessionCache
+from replica.memory import kv_pool_blocks
 from replica.models.spec import LoadedModel
 from replica.models.transformer import Transformer
 from replica.request import Detokenizer, Request, StreamEvent, new_request_id
@@ -43,29 +44,36 @@ class EngineCore:
         if loaded is None:
             from replica.models.registry import resolve_model
 
-            loaded = resolve_model(config.model)
+            loaded = resolve_model(config.model, config.device)
         self.config = config
         self.model_config = cfg = loaded.config
         self.tokenizer = loaded.tokenizer
         if config.threads:
             torch.set_num_threads(config.threads)
         self.model = Transformer(cfg, loaded.weights, config.device)
+        del loaded  # the model holds the weights in its own storage: free the loader's copy
+        dtype = config.kv_torch_dtype
         per_block = KVCache.bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads,
-                                            cfg.head_dim)
-        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // per_block)
+                                            cfg.head_dim, dtype)
+        num_blocks = kv_pool_blocks(config, self.model, per_block)
         self.kv = KVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads,
-                          cfg.head_dim, device=config.device)
+                          cfg.head_dim, dtype, config.device)
         self.pool = BlockPool(num_blocks, self.kv.poison if config.poison_freed_kv else None)
         self.sessions = SessionCache(self.pool, config.block_size)
         self.scheduler = Scheduler(self.pool, self.sessions, config.block_size,
                                    config.max_running_streams, config.batch_tokens,
                                    config.retain_sessions)
-        self.runner = ModelRunner(self.model, self.kv)
+        self.runner = ModelRunner(self.model, self.kv, config.use_fast_prefill)
         self._live: dict[str, _Live] = {}
         self.steps = 0
         self.tokens_computed = 0  # prompt/recompute tokens fed through the model (for tests/stats)
 
     # ---- requests -----------------------------------------------------------------------
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the KV pool holds (all streams and retained sessions together)."""
+        return self.pool.num_blocks * self.config.block_size
+
     @property
     def max_context(self) -> int:
         return self.model_config.max_position
@@ -254,6 +262,7 @@ class EngineCore:
             "total_kv_blocks": self.pool.num_blocks,
             "resident_sessions": self.sessions.keys(),
             "max_running_streams": self.config.max_running_streams,
+            "kv_capacity_tokens": self.kv_capacity_tokens,
         }
 
 

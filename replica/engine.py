@@ -198,6 +198,11 @@ class Engine:
     async def aembed(self, texts: Sequence[str]) -> list[list[float]]:
         return await asyncio.to_thread(self.embed, texts)
 
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the KV pool holds (on CUDA sized from the device by default)."""
+        return self.core.kv_capacity_tokens
+
     def stats(self) -> dict:
         """The replica → router contract (DESIGN.md), as of the last step."""
         return dict(self._stats)

@@ -52,3 +52,10 @@ class RequestCancelled(FedserveError):
 
     status = 499
     code = "cancelled"
+
+
+class DeviceMemoryError(FedserveError):
+    """The device has no room for a KV pool after the weights and the step's buffers."""
+
+    status = 503
+    code = "insufficient_device_memory"

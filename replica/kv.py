@@ -145,12 +145,15 @@ class SessionCache:
 
 
 class KVCache:
-    """The KV tensors: per layer K and V of [num_blocks, block_size, kv_heads, head_dim]."""
+    """The KV tensors: per layer K and V of [num_blocks, block_size, kv_heads, head_dim], in
+    the pool's dtype (bf16 on CUDA, fp32 on CPU; K/V are computed in fp32 and rounded once,
+    when written)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
         shape = (num_blocks, block_size, kv_heads, head_dim)
         self.block_size = block_size
+        self.dtype = dtype
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
@@ -159,11 +162,22 @@ class KVCache:
                         dtype: torch.dtype = torch.float32) -> int:
         return 2 * num_layers * block_size * kv_heads * head_dim * dtype.itemsize
 
+    @property
+    def num_blocks(self) -> int:
+        return self.k[0].shape[0]
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k/v [T, kv_heads, head_dim] at flat slots [T] (block * block_size + offset)."""
         kc, vc = self.k[layer], self.v[layer]
-        kc.view(-1, *kc.shape[2:]).index_copy_(0, slots, k)
-        vc.view(-1, *vc.shape[2:]).index_copy_(0, slots, v)
+        kc.view(-1, *kc.shape[2:]).index_copy_(0, slots, k.to(kc.dtype))
+        vc.view(-1, *vc.shape[2:]).index_copy_(0, slots, v.to(vc.dtype))
+
+    @staticmethod
+    def renumber(block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(used, tables): the sorted ids of the blocks block_tables name, and the tables
+        renumbered to index `used` (so K[used] can stand in for the pool)."""
+        used = torch.unique(block_tables.to(torch.int64))  # sorted
+        return used, torch.searchsorted(used, block_tables.to(torch.int64)).to(torch.int32)
 
     def poison(self, blocks: list[int]) -> None:
         """Fill blocks with NaN (debug mode: any read of freed KV then shows in the output)."""

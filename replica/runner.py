@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels import prefill
 from replica.kv import KVCache
-from replica.models.transformer import ForwardBatch, Transformer
-from replica.scheduler import StepRecord
+from replica.models.transformer import ForwardBatch, PrefillSpan, Transformer
+from replica.scheduler import Chunk, StepRecord
 
 GRAPH_BATCHES = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
 MIN_GRAPH_BLOCKS = 16  # block-table width buckets: powers of two from here
@@ -54,13 +55,32 @@ class HostRows(Mapping):
         return len(self._row_of)
 
 
+def prefill_range(c: Chunk, enabled: bool) -> tuple[int, int] | None:
+    """Positions [a, b) of chunk c that attend through kernels.prefill (None: none): its prompt
+    positions from MIN_POSITION on."""
+    if not enabled:
+        return None
+    a, b = max(c.start, prefill.MIN_POSITION), min(c.end, len(c.stream.prompt_ids))
+    return (a, b) if a < b else None
+
+
 class ModelRunner:
-    def __init__(self, model: Transformer, kv: KVCache) -> None:
+    """fast_prefill: prompt tokens at positions >= kernels.prefill.MIN_POSITION attend through
+    the tiled prefill path. Which path a token takes depends on its position and its stream's
+    prompt length only, so a stream's bits never depend on the batch or on its chunking; and
+    tokens after the prompt (decoded, or recomputed after a preemption or a resume) always take
+    the paged kernel, as decode did, so a recompute gives the bits of the original run."""
+
+    def __init__(self, model: Transformer, kv: KVCache, fast_prefill: bool = False) -> None:
         self.model = model
         self.kv = kv
         self.block_size = kv.block_size
+        self.fast_prefill = fast_prefill
         cuda = torch.device(model.device).type == "cuda"
-        self.graphs = DecodeGraphs(model, kv) if cuda else None
+        self.graphs = DecodeGraphs(model, kv, fast_prefill) if cuda else None
+
+    def prefill_range(self, c: Chunk) -> tuple[int, int] | None:
+        return prefill_range(c, self.fast_prefill)
         self._host: torch.Tensor | None = None  # pinned staging for logits rows (CUDA)
         self._host_ids: torch.Tensor | None = None  # pinned staging for argmax ids (CUDA)
 
@@ -73,6 +93,8 @@ class ModelRunner:
         logit_rows: list[int] = []
         sample_chunks: list[int] = []
         hidden_spans: list[tuple[int, int, int]] = []  # (chunk, first row, last row + 1)
+        spans: list[PrefillSpan] = []
+        paged: list[int] = []  # rows that attend through the paged kernel (when spans exist)
         mb = max(len(c.stream.block_table) for c in record.chunks)
         tables = torch.zeros(len(record.chunks), mb, dtype=torch.int32)
         for r, c in enumerate(record.chunks):
@@ -85,6 +107,14 @@ class ModelRunner:
             pos.extend(p)
             slots.extend(table[i // bs] * bs + i % bs for i in p)
             rows.extend([r] * (c.end - c.start))
+            fast = self.prefill_range(c)
+            if fast is None:
+                paged.extend(range(first, len(ids)))
+            else:
+                a, b = fast[0] - c.start + first, fast[1] - c.start + first
+                spans.append(PrefillSpan(a, b - a, fast[0], r))
+                paged.extend(range(first, a))
+                paged.extend(range(b, len(ids)))
             if c.samples:
                 logit_rows.append(len(ids) - 1)
                 sample_chunks.append(r)
@@ -93,6 +123,12 @@ class ModelRunner:
         dev = self.model.device
         positions = torch.tensor(pos, dtype=torch.int64)
         hidden_rows = torch.cat([torch.arange(a, b) for _, a, b in hidden_spans]) if hidden_spans else None
+        split = {}
+        if spans:
+            paged_rows = torch.tensor(paged, dtype=torch.int64)
+            split = dict(prefill=tuple(spans), paged_rows=paged_rows.to(dev),
+                         paged_tok_row=torch.tensor(rows, dtype=torch.int32)[paged_rows].to(dev),
+                         paged_ctx_lens=(positions[paged_rows] + 1).to(torch.int32).to(dev))
         batch = ForwardBatch(
             token_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=positions.to(dev),
@@ -102,6 +138,7 @@ class ModelRunner:
             ctx_lens=(positions + 1).to(torch.int32).to(dev),
             logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
             hidden_rows=None if hidden_rows is None else hidden_rows.to(dev),
+            **split,
         )
         return batch, sample_chunks, hidden_spans
 
@@ -169,16 +206,18 @@ class ModelRunner:
 class DecodeGraphs:
     """CUDA graphs of decode-only steps, captured on first use per (batch bucket, width bucket)."""
 
-    def __init__(self, model: Transformer, kv: KVCache) -> None:
+    def __init__(self, model: Transformer, kv: KVCache, fast_prefill: bool = False) -> None:
         self.model = model
         self.kv = kv
         self.block_size = kv.block_size
         self.device = torch.device(model.device)
+        self.fast_prefill = fast_prefill  # then a prompt token past MIN_POSITION runs eagerly
         self._graphs: dict[tuple[int, int], _Graph] = {}
 
     def accepts(self, record: StepRecord) -> bool:
         return (len(record.chunks) <= GRAPH_BATCHES[-1]
-                and all(c.end - c.start == 1 and c.samples for c in record.chunks))
+                and all(c.end - c.start == 1 and c.samples
+                        and prefill_range(c, self.fast_prefill) is None for c in record.chunks))
 
     def key(self, record: StepRecord) -> tuple[int, int]:
         return self.key_for(len(record.chunks), max(len(c.stream.block_table) for c in record.chunks))
@@ -190,6 +229,13 @@ class DecodeGraphs:
         while width < table_blocks:
             width *= 2
         return GRAPH_BATCHES[bisect.bisect_left(GRAPH_BATCHES, streams)], width
+
+    def warm(self, streams: int, table_blocks: int) -> None:
+        """Capture the graph a decode step of `streams` streams with tables of `table_blocks`
+        blocks will replay, if it is not yet captured (benchmarks: capture outside timing)."""
+        key = self.key_for(min(streams, GRAPH_BATCHES[-1]), table_blocks)
+        if key not in self._graphs:
+            self._graphs[key] = _Graph(self.model, self.kv, *key, self.device)
 
     @property
     def captured(self) -> set[tuple[int, int]]:

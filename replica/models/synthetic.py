@@ -41,6 +41,9 @@ PRESETS = {
     "tiny-llama": Preset("llama", 320, 64, 128, 2, 4, 2, 16, 1024, "f32", True),
     "tiny-llama-q4": Preset("llama", 320, 64, 128, 2, 4, 2, 16, 1024, "q4", True),
     "tiny-qwen3-moe": Preset("qwen3_moe", 320, 64, 0, 2, 4, 2, 16, 1024, "f32", False, 8, 2, 32),
+    # long contexts at small cost (GPU tests): the 30B preset's head_dim, GQA and q4 storage
+    "small-qwen3-moe-q4": Preset("qwen3_moe", 2048, 256, 0, 4, 8, 2, 128, 40960, "q4", False,
+                                 16, 4, 128),
     "qwen3-30b-a3b-int4": Preset("qwen3_moe", 151936, 2048, 0, 48, 32, 4, 128, 40960, "q4",
                                  False, 128, 8, 768),
 }

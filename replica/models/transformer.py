@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import ops
+from kernels import ops, prefill
 from kernels.linear import Linear, concat_rows
 from replica.kv import KVCache
 from replica.models.spec import LayerWeights, ModelConfig, ModelWeights
@@ -29,6 +29,22 @@ class ForwardBatch:
     ctx_lens: torch.Tensor  # [T] int32: keys visible to each token (position + 1)
     logit_rows: torch.Tensor  # [L] int64: tokens whose next-token logits are wanted
     hidden_rows: torch.Tensor | None = None  # [E] int64: tokens whose final hidden state is wanted
+    # prompt tokens that attend through kernels/prefill.py (the rest use the paged kernel)
+    prefill: tuple["PrefillSpan", ...] = ()
+    paged_rows: torch.Tensor | None = None  # [P] int64: the other tokens (with prefill spans)
+    paged_tok_row: torch.Tensor | None = None  # [P] int32: their tok_row
+    paged_ctx_lens: torch.Tensor | None = None  # [P] int32: their ctx_lens
+
+
+@dataclass(frozen=True)
+class PrefillSpan:
+    """Tokens [row, row + n) of the batch: positions start .. start+n-1 of block-table row
+    `table`, attending through kernels.prefill."""
+
+    row: int
+    n: int
+    start: int
+    table: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -96,6 +112,9 @@ class Transformer:
         cfg = self.cfg
         t = b.token_ids.shape[0]
         h = self.embed.rows(b.token_ids)  # [T, hidden]
+        # the C kernels read fp32 K/V: a bf16 pool on CPU is read through an upcast copy of
+        # the blocks this step's tables name
+        pool = None if self.fused or kv.dtype == torch.float32 else kv.renumber(b.block_tables)
         if not self.fused:
             cos = self.cos[b.positions][:, None, :]  # [T, 1, D]
             sin = self.sin[b.positions][:, None, :]
@@ -115,8 +134,7 @@ class Transformer:
                     k = ops.rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
                 q, k = _rope(q, cos, sin), _rope(k, cos, sin)
                 kv.write(i, b.slots, k, v.contiguous())
-            attn = ops.paged_attention(q, kv.k[i], kv.v[i], b.block_tables, b.tok_row,
-                                       b.ctx_lens, self.scale)  # [T, H, D]
+            attn = self._attention(q, kv, i, b, pool)  # [T, H, D]
             h = ops.linear_residual(layer.o, attn.reshape(t, cfg.q_size), h)  # h + o(attn)
             x = ops.rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps)
             if layer.router is not None:
@@ -130,6 +148,27 @@ class Transformer:
         if b.logit_rows.numel():
             logits = self.lm_head(ops.rms_norm(h[b.logit_rows], self.final_norm, cfg.rms_norm_eps))
         return logits, hidden
+
+    def _attention(self, q: torch.Tensor, kv: KVCache, i: int, b: ForwardBatch,
+                   pool: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """Each token over its own stream's keys [0, position]: paged kernel, or tiled prefill
+        for the spans in b.prefill."""
+        kc, vc, tables = kv.k[i], kv.v[i], b.block_tables
+        if pool is not None:
+            used, tables = pool
+            kc, vc = kc[used].float(), vc[used].float()  # [U, BS, KVH, D], exact
+        if not b.prefill:
+            return ops.paged_attention(q, kc, vc, tables, b.tok_row, b.ctx_lens, self.scale)
+        attn = torch.empty_like(q)
+        if b.paged_rows.numel():
+            rows = b.paged_rows
+            attn[rows] = ops.paged_attention(q[rows].contiguous(), kc, vc, tables, b.paged_tok_row,
+                                             b.paged_ctx_lens, self.scale)
+        for sp in b.prefill:  # one stream at a time: nothing is packed across streams
+            attn[sp.row: sp.row + sp.n] = prefill.prefill_attention(
+                q[sp.row: sp.row + sp.n], kv.k[i], kv.v[i], b.block_tables[sp.table], sp.start,
+                self.scale)
+        return attn
 
     def _moe(self, layer: _Layer, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """h + top-k experts per token; the k contributions are summed in rank order (fixed)."""

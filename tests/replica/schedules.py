@@ -39,7 +39,8 @@ def kv_digest(core: EngineCore, stream, n: int) -> str:
     h = hashlib.blake2b(digest_size=16)
     for kc, vc in zip(core.kv.k, core.kv.v):
         for t in (kc, vc):
-            h.update(t.view(-1, *t.shape[2:])[slots].contiguous().numpy().tobytes())
+            rows = t.view(-1, *t.shape[2:])[slots.to(t.device)].contiguous()
+            h.update(rows.view(torch.uint8).cpu().numpy().tobytes())  # the bits, any dtype
     return h.hexdigest()
 
 

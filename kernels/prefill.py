@@ -1,0 +1,110 @@
+"""Prefill attention: one stream's prompt chunk against its paged context, tiled.
+
+The paged decode kernel (triton_attention.py) runs a program per query token that reads all of
+that token's keys: right for decode, but a prompt of n tokens then reads O(n²) keys. Here a
+chunk's queries attend in PIECES of PIECE positions with FlashAttention (torch SDPA; on CPU,
+SDPA's own kernels as the reference path), each piece reading its keys once.
+
+Batch and chunk invariance. Pieces are aligned to absolute positions: piece p holds the queries
+of positions [p*PIECE, (p+1)*PIECE) and attends to keys [0, (p+1)*PIECE), lower-right causal.
+The rows of a piece that this chunk does not own (earlier positions, or later ones not yet
+known) are zero queries whose outputs are dropped; keys past the chunk's last token are zeros,
+and every row masks them anyway. So each SDPA call has a shape set by the piece index alone —
+one kernel, one split plan — and a row's result depends only on its own query and its own
+stream's keys: never on the other streams of the step (each stream is its own call, nothing
+is packed) nor on where the scheduler cut the prompt into chunks.
+
+The engine sends a prompt token here only when its position is at least MIN_POSITION: shorter
+contexts stay on the paged kernel, whose bits decode shares (runner.py, Chunk rows).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+PIECE = 256  # query positions per attention call (fixed: a property of the path, not the batch)
+MIN_POSITION = 512  # prompt positions below this attend through the paged kernel
+
+
+def compute_dtype(cache_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """FlashAttention needs 16-bit inputs: on CUDA a bf16/fp16 pool is read as it is; the CPU
+    reference path (and an fp32 pool) computes in fp32."""
+    if device.type == "cuda" and cache_dtype in (torch.bfloat16, torch.float16):
+        return cache_dtype
+    return torch.float32
+
+
+def gather_context(k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, end: int,
+                   length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of positions [0, end) of one stream, zero-padded to `length` ≥ end:
+    [length, KVH, D] each, in `dtype`. table [≥ ceil(end / block_size)] int32 block ids."""
+    nb, bs, kvh, d = k_cache.shape
+    blocks = table[: -(-end // bs)].to(torch.int64)
+    out = []
+    for cache in (k_cache, v_cache):
+        buf = torch.zeros(length, kvh, d, dtype=dtype, device=cache.device)
+        buf[:end] = cache.index_select(0, blocks).view(-1, kvh, d)[:end]
+        out.append(buf)
+    return out[0], out[1]
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      table: torch.Tensor, start: int, scale: float,
+                      piece: int | None = None) -> torch.Tensor:
+    """Causal attention of q [n, H, D] (fp32; positions start .. start+n-1 of one stream,
+    whose K/V are in the caches already) over that stream's keys → [n, H, D] fp32.
+
+    k_cache/v_cache [num_blocks, block_size, KVH, D] (fp32, bf16 or fp16); table [MB] int32,
+    the stream's block table (on the caches' device). start is a host int: no host sync."""
+    piece = piece or PIECE
+    n, h, d = q.shape
+    nb, bs, kvh, d2 = k_cache.shape
+    if d2 != d or h % kvh or v_cache.shape != k_cache.shape or q.dtype != torch.float32:
+        raise ValueError("prefill_attention: q [n, H, D] float32 and caches [NB, BS, KVH, D]")
+    if table.dim() != 1 or table.dtype != torch.int32 or table.numel() * bs < start + n:
+        raise ValueError("prefill_attention: table must be int32 [MB] covering start + n keys")
+    out = torch.empty_like(q)
+    if n == 0:
+        return out
+    end = start + n
+    first, last = start // piece, (end - 1) // piece
+    dtype = compute_dtype(k_cache.dtype, q.device)
+    keys, values = gather_context(k_cache, v_cache, table, end, (last + 1) * piece, dtype)
+    # queries of every piece this chunk touches, zeros where it owns no token
+    qbuf = torch.zeros((last + 1 - first) * piece, h, d, dtype=dtype, device=q.device)
+    off = start - first * piece
+    qbuf[off: off + n] = q
+    for p in range(first, last + 1):
+        lo = p * piece
+        qp = qbuf[(p - first) * piece: (p - first + 1) * piece]  # [PIECE, H, D]
+        o = attend(qp, keys[: lo + piece], values[: lo + piece], scale)  # [PIECE, H, D]
+        a, b = max(start, lo), min(end, lo + piece)
+        out[a - start: b - start] = o[a - lo: b - lo]
+    return out
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [Lq, H, D], k/v [Lk, KVH, D] (Lk ≥ Lq), query i at key position Lk - Lq + i → [Lq, H, D]."""
+    lq, lk = q.shape[0], k.shape[0]
+    qt, kt, vt = (x.unsqueeze(0).transpose(1, 2) for x in (q, k, v))  # [1, heads, L, D]
+    o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=causal_lower_right(lq, lk),
+                                       scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return o[0].transpose(0, 1)  # [Lq, H, D]
+
+
+# ---- float64 reference (tests) -----------------------------------------------------------------
+def prefill_reference(q, k_cache, v_cache, table, start, scale):
+    """float64: query i (position start + i) over keys [0, start + i] of the stream."""
+    n, h, d = q.shape
+    bs, kvh = k_cache.shape[1], k_cache.shape[2]
+    end = start + n
+    pos = torch.arange(end)
+    blocks = table.cpu().long()[pos // bs]
+    k = k_cache.cpu()[blocks, pos % bs].double().repeat_interleave(h // kvh, dim=1)  # [end, H, D]
+    v = v_cache.cpu()[blocks, pos % bs].double().repeat_interleave(h // kvh, dim=1)
+    s = torch.einsum("nhd,khd->hnk", q.cpu().double(), k) * scale  # [H, n, end]
+    mask = pos[None, :] > (start + torch.arange(n))[:, None]  # [n, end]
+    p = torch.softmax(s.masked_fill(mask[None], float("-inf")), dim=-1)
+    return torch.einsum("hnk,khd->nhd", p, v)
