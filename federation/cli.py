@@ -50,7 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = b.add_subparsers(dest="bench", required=True)
     be = bsub.add_parser("engine", help="engine tok/s and TTFT per concurrency")
     be.add_argument("--model", default="smollm2-135m")
-    be.add_argument("--streams", type=_streams, default=[1, 4, 8, 16])
+    be.add_argument("--streams", type=_streams, default=None,
+                    help="concurrencies (default 1,4,8,16; with --context 1,8,32,64)")
+    be.add_argument("--context", type=_streams, default=None,
+                    help="prompt lengths in tokens: prefill/decode rates per context and concurrency")
     be.add_argument("--max-tokens", type=int, default=64)
     be.add_argument("--json", default=None, help="write results to this JSON file")
     be.add_argument("--compare-transformers", action="store_true")
@@ -159,10 +162,17 @@ def cmd_up(args) -> int:
 def cmd_bench_engine(args) -> int:
     from replica import bench
 
+    streams = args.streams or ([1, 8, 32, 64] if args.context else [1, 4, 8, 16])
     if args.profile:
-        bench.profile_steps(args.model, max(args.streams), args.max_tokens, args.device)
+        bench.profile_steps(args.model, max(streams), args.max_tokens, args.device)
         return 0
-    bench.run(args.model, args.streams, args.max_tokens, args.compare_transformers, args.json,
+    if args.context:
+        from replica import bench_context
+
+        bench_context.run(args.model, args.context, streams, args.max_tokens, args.json,
+                          {"device": args.device})
+        return 0
+    bench.run(args.model, streams, args.max_tokens, args.compare_transformers, args.json,
               {"device": args.device})
     return 0
 

@@ -116,19 +116,26 @@ def bench_transformers(model_spec: str, streams_list: list[int], max_tokens: int
 
 
 def copy_bandwidth(device: str) -> float:
-    """GB/s of a 2 GiB device-to-device copy, bytes read + written (median of 10)."""
+    """GB/s of a device-to-device copy (2 GiB on CUDA, 256 MiB on CPU), bytes read + written
+    (median of 10)."""
     import torch
 
-    src = torch.empty(1 << 29, dtype=torch.float32, device=device).uniform_()
+    cuda = device != "cpu"
+    src = torch.empty((1 << 29) if cuda else (1 << 26), dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
     times = []
     for _ in range(12):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append((time.perf_counter() - t0) * 1e3)
     return 2 * src.numel() * 4 / sorted(times[2:])[5] / 1e6
 
 
@@ -169,16 +176,9 @@ def run(model: str, streams: list[int], max_tokens: int, compare: bool, json_pat
 
     kwargs = dict(engine_kwargs or {})
     cuda = kwargs.get("device", "cpu") != "cpu"
-    loaded = None
-    if cuda:
-        kwargs.setdefault("kv_cache_bytes", 16 << 30)
-        kwargs.setdefault("max_running_streams", max(64, max(streams)))
-        if model.startswith("synthetic:"):  # drawn on the GPU: seconds, not minutes
-            from replica.models.synthetic import synthetic_model
-
-            loaded = synthetic_model(model.removeprefix("synthetic:"), device=kwargs["device"])
-    engine = Engine(EngineConfig(model=model, **kwargs), loaded=loaded)
-    del loaded  # the engine holds the weights in its own storage
+    if max(streams) > EngineConfig.max_running_streams:
+        kwargs["max_running_streams"] = max(streams)
+    engine = Engine(EngineConfig(model=model, **kwargs))  # default pool: sized from the device
     copy_gbs = None
     try:
         if cuda:
@@ -216,15 +216,8 @@ def profile_steps(model: str, streams: int, max_tokens: int, device: str = "cpu"
     from replica.config import EngineConfig
     from replica.core import EngineCore
 
-    loaded = None
-    kwargs = {"device": device, "max_running_streams": max(64, streams)}
-    if device != "cpu":
-        kwargs["kv_cache_bytes"] = 16 << 30
-        if model.startswith("synthetic:"):
-            from replica.models.synthetic import synthetic_model
-
-            loaded = synthetic_model(model.removeprefix("synthetic:"), device=device)
-    core = EngineCore(EngineConfig(model=model, **kwargs), loaded=loaded)
+    core = EngineCore(EngineConfig(model=model, device=device,
+                                   max_running_streams=max(64, streams)))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
     def run(tag: str) -> None:

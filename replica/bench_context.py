@@ -1,0 +1,161 @@
+"""`fedserve bench engine --context N,...`: prefill and decode at given prompt lengths.
+
+For each context and concurrency, all streams are submitted at once with prompts of exactly
+`context` token ids, greedy, ignore_eos. Measured: prefill tok/s (prompt tokens / time until
+the last stream's first token), TTFT, decode tok/s and ms/step (the steps after every stream
+has its first token), the bytes a decode step must move (bench.decode_bytes: weights touched +
+the KV read) and that as a % of the roofline given by a copy measured in the same run. On CUDA
+also the decode step's CUDA graph replayed alone. The engine runs with its default config (its
+KV pool sized from the device); each row says whether its streams fit the pool at once.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from replica.bench import copy_bandwidth, decode_bytes
+from replica.engine import Engine
+from replica.request import Request
+from replica.sampling import SamplingParams
+
+
+@dataclass
+class ContextRow:
+    context: int
+    streams: int
+    prefill_tok_per_s: float
+    ttft_ms: float  # mean over streams
+    ttft_max_ms: float
+    decode_tok_per_s: float
+    ms_per_step: float  # decode: wall per step once every stream has its first token
+    gb_per_step: float
+    roofline_pct: float  # of the wall step
+    gpu_ms_per_step: float = 0.0  # CUDA: the decode step's graph replayed alone
+    gpu_roofline_pct: float = 0.0
+    fits: bool = True  # all streams' KV fit the pool at once (else they queue or preempt)
+    decode_steps: int = 0
+
+
+def prompts_of(context: int, streams: int, vocab: int, seed: int = 0) -> list[tuple[int, ...]]:
+    """`streams` distinct prompts of exactly `context` ids (byte-range ids where the vocab is a
+    byte tokenizer's, so every id is an ordinary token)."""
+    g = torch.Generator().manual_seed(seed + 1000 * context + streams)
+    hi = min(vocab, 256) if vocab < 1024 else vocab - 512
+    return [tuple(torch.randint(0, hi, (context,), generator=g).tolist()) for _ in range(streams)]
+
+
+def measure(engine: Engine, prompts: list[tuple[int, ...]], max_tokens: int) -> dict:
+    """Submit every prompt at once; time first tokens, the decode phase and steps."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    reqs = [Request(prompt_token_ids=p, params=params) for p in prompts]
+    first: dict[str, float] = {}
+    done = threading.Semaphore(0)
+    tokens_after = [0]
+    mark = [0.0, 0]  # (time, steps) when the last stream got its first token
+
+    def sink(ev) -> None:  # on the engine's thread, between steps
+        now = time.perf_counter()
+        if ev.token_ids and ev.request_id not in first:
+            first[ev.request_id] = now
+            if len(first) == len(reqs):
+                mark[0], mark[1] = now, engine.core.steps
+        elif len(first) == len(reqs):
+            tokens_after[0] += len(ev.token_ids)
+        if ev.finished:
+            done.release()
+
+    t0 = time.perf_counter()
+    for r in reqs:
+        engine.submit(r, sink)
+    for _ in reqs:
+        done.acquire()
+    end = time.perf_counter()
+    ttfts = [t - t0 for t in first.values()]
+    return {"prefill_s": mark[0] - t0, "ttft": sum(ttfts) / len(ttfts), "ttft_max": max(ttfts),
+            "decode_s": end - mark[0], "decode_steps": engine.core.steps - mark[1],
+            "decode_tokens": tokens_after[0]}
+
+
+def bench_context(engine: Engine, context: int, streams: int, max_tokens: int, copy_gbs: float,
+                  ) -> ContextRow:
+    prompts = prompts_of(context, streams, engine.model_config.vocab_size)
+    graphs = engine.core.runner.graphs
+    bs = engine.config.block_size
+    if graphs is not None:  # capture before timing: the graphs this run's decode steps use
+        for ctx in range(context, context + max_tokens + 1, bs):
+            graphs.warm(streams, -(-(ctx + 1) // bs))
+    m = measure(engine, prompts, max_tokens)
+    steps = max(m["decode_steps"], 1)
+    ms = m["decode_s"] / steps * 1e3
+    gb = decode_bytes(engine, streams, context + max_tokens / 2) / 1e9
+    row = ContextRow(context, streams, streams * context / m["prefill_s"], m["ttft"] * 1e3,
+                     m["ttft_max"] * 1e3, m["decode_tokens"] / m["decode_s"] if m["decode_s"] else 0,
+                     ms, gb, 100 * gb / (ms / 1e3) / copy_gbs if ms else 0.0,
+                     fits=streams * (context + max_tokens) <= engine.kv_capacity_tokens,
+                     decode_steps=m["decode_steps"])
+    if graphs is not None:
+        key = graphs.key_for(streams, -(-(context + max_tokens // 2) // bs))
+        if key in graphs.captured:
+            row.gpu_ms_per_step = graphs.time_replay(key)
+            row.gpu_roofline_pct = 100 * gb / (row.gpu_ms_per_step / 1e3) / copy_gbs
+    return row
+
+
+def run(model: str, contexts: list[int], streams: list[int], max_tokens: int,
+        json_path: str | None, engine_kwargs: dict | None = None) -> list[ContextRow]:
+    from replica.config import EngineConfig
+
+    kwargs = dict(engine_kwargs or {})
+    if max(streams) > EngineConfig.max_running_streams:
+        kwargs["max_running_streams"] = max(streams)
+    t0 = time.perf_counter()
+    engine = Engine(EngineConfig(model=model, **kwargs))
+    load_s = time.perf_counter() - t0
+    device = engine.config.device
+    try:
+        copy_gbs = copy_bandwidth(device)
+        measure(engine, prompts_of(min(contexts), 1, engine.model_config.vocab_size, seed=1), 4)
+        rows = [bench_context(engine, c, n, max_tokens, copy_gbs) for c in contexts for n in streams]
+    finally:
+        engine.shutdown()
+    print(format_table(rows, engine, model, copy_gbs, load_s))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"model": model, "synthetic": engine.model_config.synthetic,
+                       "device": device, "max_tokens": max_tokens, "copy_gb_per_s": copy_gbs,
+                       "load_s": load_s, "kv_capacity_tokens": engine.kv_capacity_tokens,
+                       "kv_dtype": str(engine.config.kv_torch_dtype).removeprefix("torch."),
+                       "rows": [asdict(r) for r in rows]}, f, indent=2)
+    return rows
+
+
+def format_table(rows: list[ContextRow], engine: Engine, model: str, copy_gbs: float,
+                 load_s: float) -> str:
+    cfg = engine.config
+    label = f"{model}{' (SYNTHETIC weights)' if engine.model_config.synthetic else ''}"
+    lines = [f"engine benchmark by context: {label} on {cfg.device}, loaded in {load_s:.1f} s",
+             f"KV pool: {engine.kv_capacity_tokens:,} tokens "
+             f"({str(cfg.kv_torch_dtype).removeprefix('torch.')}); measured copy "
+             f"{copy_gbs:.0f} GB/s (read + write); decode columns: the steps after every stream "
+             f"has its first token; GB/step: weights a decode step touches + KV it reads; "
+             f"* = the streams did not fit the pool at once"]
+    head = (f"{'context':>7} {'streams':>7} {'prefill tok/s':>13} {'TTFT ms':>8} {'TTFT max':>8} "
+            f"{'decode tok/s':>12} {'ms/step':>8} {'GB/step':>8} {'%roofline':>9}")
+    gpu = any(r.gpu_ms_per_step for r in rows)
+    if gpu:
+        head += f" {'GPU ms/step':>11} {'GPU %roof':>9}"
+    lines.append(head)
+    for r in rows:
+        line = (f"{r.context:>7} {r.streams:>6}{'*' if not r.fits else ' '} "
+                f"{r.prefill_tok_per_s:>13.0f} {r.ttft_ms:>8.0f} {r.ttft_max_ms:>8.0f} "
+                f"{r.decode_tok_per_s:>12.1f} {r.ms_per_step:>8.2f} {r.gb_per_step:>8.3f} "
+                f"{r.roofline_pct:>9.2f}")
+        if gpu:
+            line += f" {r.gpu_ms_per_step:>11.3f} {r.gpu_roofline_pct:>9.1f}"
+        lines.append(line)
+    return "\n".join(lines)

@@ -1,0 +1,36 @@
+"""`fedserve bench engine --context`: runs on CPU at tiny sizes with the default model and the
+default engine config, and reports every column for each (context, concurrency)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from replica.bench_context import prompts_of
+
+
+def test_bench_by_context_on_cpu_with_the_default_model(tmp_path):
+    path = tmp_path / "bench.json"
+    out = subprocess.run([sys.executable, "-m", "federation.cli", "bench", "engine", "--context",
+                          "32", "--streams", "1,2", "--max-tokens", "4", "--json", str(path)],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr
+    for word in ("prefill tok/s", "TTFT", "decode tok/s", "ms/step", "GB/step", "%roofline",
+                 "KV pool:"):
+        assert word in out.stdout, word
+    data = json.loads(path.read_text())
+    assert data["model"] == "smollm2-135m" and data["device"] == "cpu" and data["copy_gb_per_s"] > 0
+    assert data["kv_dtype"] == "float32" and data["kv_capacity_tokens"] > 0
+    rows = data["rows"]
+    assert [(r["context"], r["streams"]) for r in rows] == [(32, 1), (32, 2)]
+    for r in rows:
+        assert r["fits"] and r["prefill_tok_per_s"] > 0 and r["ttft_ms"] > 0
+        assert r["decode_tok_per_s"] > 0 and r["ms_per_step"] > 0 and r["decode_steps"] >= 3
+        assert 0 < r["gb_per_step"] < 1 and r["roofline_pct"] > 0
+
+
+def test_prompts_have_the_exact_context_and_differ():
+    ps = prompts_of(100, 3, 49152)
+    assert [len(p) for p in ps] == [100] * 3 and len(set(ps)) == 3
+    assert max(max(p) for p in prompts_of(50, 2, 320)) < 256  # byte tokenizer: plain bytes
