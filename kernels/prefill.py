@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 PIECE = 256  # query positions per attention call (fixed: a property of the path, not the batch)
 MIN_POSITION = 512  # prompt positions below this attend through the paged kernel
@@ -87,6 +86,10 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [Lq, H, D], k/v [Lk, KVH, D] (Lk ≥ Lq), query i at key position Lk - Lq + i → [Lq, H, D]."""
+    # imported here: torch.nn.attention pulls in torch._dynamo, which imports Triton, and a
+    # process that imported Triton without TRITON_INTERPRET can no longer interpret kernels
+    from torch.nn.attention.bias import causal_lower_right
+
     lq, lk = q.shape[0], k.shape[0]
     qt, kt, vt = (x.unsqueeze(0).transpose(1, 2) for x in (q, k, v))  # [1, heads, L, D]
     o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=causal_lower_right(lq, lk),
