@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Ray's Prometheus scrape (fedserve_* and ray_serve_*) on this port")
     u.add_argument("--rate-limit", type=float, default=0.0,
                    help="requests per second per key (0: off); over it, 429 + Retry-After")
+    u.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per replica)")
+    u.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: the share of the memory free after the weights that the KV pool "
+                        "and the step's buffers may take")
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
@@ -148,7 +152,9 @@ def cmd_up(args) -> int:
                                max_running_streams=args.max_running_streams,
                                router_policy=args.policy, one_replica_per_node=False,
                                api_keys=tuple(args.api_keys) + env_api_keys(dict(os.environ)),
-                               rate_limit_rps=args.rate_limit)
+                               rate_limit_rps=args.rate_limit, device=args.device,
+                               replica_num_gpus=0 if args.device == "cpu" else 1,
+                               gpu_memory_utilization=args.gpu_memory_utilization)
         check_exposure(args.host, cfg)
     except ValidationError as e:
         print(f"error: {e.errors()[0]['loc'][0]}: {e.errors()[0]['msg']}", file=sys.stderr)

@@ -8,6 +8,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
+CPU_KV_CACHE_BYTES = 1 << 29  # a CPU replica's KV pool unless kv_cache_bytes is given
+
+
 class FederationConfig(BaseModel):
     """How the federation is laid out and how it admits and routes requests."""
 
@@ -23,7 +26,9 @@ class FederationConfig(BaseModel):
     device: str = "cpu"
     max_running_streams: int = Field(32, ge=1)  # per replica; 1 = serialized-decode mode
     max_batch_tokens: int | None = Field(None, ge=1)  # None: the engine's per-device default
-    kv_cache_bytes: int = Field(1 << 29, gt=0)
+    kv_cache_bytes: int | None = Field(None, gt=0)  # None: CPU 512 MiB; CUDA sized from the
+    # device (gpu_memory_utilization of the memory free after the weights)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     max_queued_requests: int = Field(64, ge=0)  # beyond capacity; then 429
     router_policy: Literal["sticky", "round_robin"] = "sticky"
     max_failovers: int = Field(3, ge=0)  # resubmissions of one request after replica deaths
@@ -50,9 +55,13 @@ class FederationConfig(BaseModel):
 
     def engine_kwargs(self) -> dict:
         """EngineConfig fields for each replica."""
+        kv_bytes = self.kv_cache_bytes
+        if kv_bytes is None and self.device == "cpu":
+            kv_bytes = CPU_KV_CACHE_BYTES
         return {"model": self.model, "device": self.device,
                 "max_running_streams": self.max_running_streams,
-                "max_batch_tokens": self.max_batch_tokens, "kv_cache_bytes": self.kv_cache_bytes}
+                "max_batch_tokens": self.max_batch_tokens, "kv_cache_bytes": kv_bytes,
+                "gpu_memory_utilization": self.gpu_memory_utilization}
 
 
 def env_api_keys(environ: dict[str, str]) -> tuple[str, ...]:

@@ -95,6 +95,26 @@ def stop() -> None:
         ray.shutdown()
 
 
+def kv_pool_line(url: str, cfg: FederationConfig) -> str | None:
+    """The line `fedserve up` prints: each replica's KV pool in tokens, from the status endpoint
+    (None when it cannot say)."""
+    import httpx
+
+    from replica.config import EngineConfig
+
+    headers = {"Authorization": f"Bearer {cfg.api_keys[0]}"} if cfg.api_keys else {}
+    try:
+        r = httpx.get(f"{url}/v1/fedserve/status", headers=headers, timeout=60)
+        replicas = r.json()["replicas"] if r.status_code == 200 else []
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
+    if not replicas:
+        return None
+    block = EngineConfig.block_size  # the replicas run the engine's default block size
+    sizes = [r.get("kv_capacity_tokens") or r["kv_blocks_total"] * block for r in replicas]
+    return "KV pool per replica: " + ", ".join(f"{n:,} tokens" for n in sizes)
+
+
 def serve_until_signal(cfg: FederationConfig, host: str, port: int,
                        metrics_export_port: int | None = None) -> int:
     """`fedserve up`: deploy, print how to call it, serve until SIGINT/SIGTERM, shut down."""
@@ -108,6 +128,9 @@ def serve_until_signal(cfg: FederationConfig, host: str, port: int,
         print(f"""try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{cfg.name}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'""",
               flush=True)
+        pool = kv_pool_line(url, cfg)
+        if pool:
+            print(pool, flush=True)
         if metrics_export_port:
             print(f"Prometheus scrape: http://127.0.0.1:{metrics_export_port}/metrics "
                   f"(status: fedserve status --url {url})", flush=True)

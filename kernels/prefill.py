@@ -86,15 +86,32 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [Lq, H, D], k/v [Lk, KVH, D] (Lk ≥ Lq), query i at key position Lk - Lq + i → [Lq, H, D]."""
+    qt, kt, vt = (x.unsqueeze(0).transpose(1, 2) for x in (q, k, v))  # [1, heads, L, D]
+    if q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16):
+        return _flash(qt, kt, vt, scale)[0].transpose(0, 1)
     # imported here: torch.nn.attention pulls in torch._dynamo, which imports Triton, and a
     # process that imported Triton without TRITON_INTERPRET can no longer interpret kernels
     from torch.nn.attention.bias import causal_lower_right
 
     lq, lk = q.shape[0], k.shape[0]
-    qt, kt, vt = (x.unsqueeze(0).transpose(1, 2) for x in (q, k, v))  # [1, heads, L, D]
     o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=causal_lower_right(lq, lk),
                                        scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return o[0].transpose(0, 1)  # [Lq, H, D]
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """FlashAttention-2 forward, causal aligned to the last key (its meaning of is_causal when
+    Lq < Lk), KV heads shared by query groups natively. [1, H, Lq, D] out."""
+    try:
+        return torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, True, False, scale=scale)[0]
+    except RuntimeError:  # a build without native grouped KV heads: expand them
+        group = q.shape[1] // k.shape[1]
+        if group == 1:
+            raise
+        k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
+        return torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, True, False, scale=scale)[0]
 
 
 # ---- float64 reference (tests) -----------------------------------------------------------------

@@ -33,7 +33,7 @@ def all_logits(loaded, ids: list[int], kv_dtype: torch.dtype) -> torch.Tensor:
 
 
 def assert_parts_only_at_near_ties(loaded, prompts, ref_runs, runs, min_agree: float = 0.6,
-                                   tie: float = 0.01) -> None:
+                                   tie: float = 0.01, ref_kv_dtype=torch.float32) -> None:
     """ref_runs/runs: greedy tokens per prompt under the reference numerics (CPU, fp32 pool) and
     the other. They agree until a step where the reference run is a near-tie — its top-2 logits
     closer than `tie` of the logit range, or, for MoE, a router's k-th and (k+1)-th expert
@@ -47,7 +47,7 @@ def assert_parts_only_at_near_ties(loaded, prompts, ref_runs, runs, min_agree: f
         agreed += d
         if d == len(a):
             continue
-        logits, probs = all_logits(loaded, list(prompt) + a[:d], torch.float32)
+        logits, probs = all_logits(loaded, list(prompt) + a[:d], ref_kv_dtype)
         top2 = logits[-1].topk(2).values
         near_tie = float(top2[0] - top2[1]) < tie * float(logits.abs().max())
         if probs is not None:
