@@ -9,6 +9,7 @@ same in any bucket and in the eager path (tests/kernels/test_gpu.py checks it).
 from __future__ import annotations
 
 import bisect
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -55,6 +56,30 @@ class HostRows(Mapping):
         return len(self._row_of)
 
 
+class BlockTables:
+    """Each stream's block table as an int32 tensor, converted only when the table changes.
+    A table only grows between preemptions (the scheduler replaces the list, never edits it),
+    so a step converts the new blocks alone: no O(context) host work per stream per step."""
+
+    def __init__(self) -> None:
+        self._cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def get(self, stream) -> torch.Tensor:
+        table = stream.block_table
+        hit = self._cache.get(stream)
+        if hit is not None:
+            old, n, tensor = hit
+            if old is table and len(table) == n:
+                return tensor
+            if len(table) > n and table[:n] == old[:n]:
+                tensor = torch.cat([tensor, torch.tensor(table[n:], dtype=torch.int32)])
+                self._cache[stream] = (table, len(table), tensor)
+                return tensor
+        tensor = torch.tensor(table, dtype=torch.int32)
+        self._cache[stream] = (table, len(table), tensor)
+        return tensor
+
+
 def prefill_range(c: Chunk, enabled: bool) -> tuple[int, int] | None:
     """Positions [a, b) of chunk c that attend through kernels.prefill (None: none): its prompt
     positions from MIN_POSITION on."""
@@ -77,7 +102,8 @@ class ModelRunner:
         self.block_size = kv.block_size
         self.fast_prefill = fast_prefill
         cuda = torch.device(model.device).type == "cuda"
-        self.graphs = DecodeGraphs(model, kv, fast_prefill) if cuda else None
+        self.tables = BlockTables()
+        self.graphs = DecodeGraphs(model, kv, fast_prefill, self.tables) if cuda else None
 
     def prefill_range(self, c: Chunk) -> tuple[int, int] | None:
         return prefill_range(c, self.fast_prefill)
@@ -100,7 +126,7 @@ class ModelRunner:
         for r, c in enumerate(record.chunks):
             s = c.stream
             table = s.block_table
-            tables[r, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            tables[r, : len(table)] = self.tables.get(s)
             first = len(ids)
             ids.extend(s.token_slice(c.start, c.end))
             p = range(c.start, c.end)
@@ -206,12 +232,14 @@ class ModelRunner:
 class DecodeGraphs:
     """CUDA graphs of decode-only steps, captured on first use per (batch bucket, width bucket)."""
 
-    def __init__(self, model: Transformer, kv: KVCache, fast_prefill: bool = False) -> None:
+    def __init__(self, model: Transformer, kv: KVCache, fast_prefill: bool = False,
+                 tables: BlockTables | None = None) -> None:
         self.model = model
         self.kv = kv
         self.block_size = kv.block_size
         self.device = torch.device(model.device)
         self.fast_prefill = fast_prefill  # then a prompt token past MIN_POSITION runs eagerly
+        self.tables = tables or BlockTables()
         self._graphs: dict[tuple[int, int], _Graph] = {}
 
     def accepts(self, record: StepRecord) -> bool:
@@ -248,7 +276,7 @@ class DecodeGraphs:
         g = self._graphs.get(key)
         if g is None:
             g = self._graphs[key] = _Graph(self.model, self.kv, *key, self.device)
-        g.load(record, self.block_size)
+        g.load(record, self.block_size, self.tables)
         g.graph.replay()
         return g.logits, g.argmax
 
@@ -293,22 +321,22 @@ class _Graph:
             self.logits, _ = model.forward(self.fb, kv)
             self.argmax = torch.argmax(self.logits, dim=-1)  # greedy picks stay on the device
 
-    def load(self, record: StepRecord, block_size: int) -> None:
+    def load(self, record: StepRecord, block_size: int, tables: BlockTables) -> None:
         n, b, w = len(record.chunks), self.batch, self.width
-        toks, pos, slots, rows = [], [], [], []
-        for c in record.chunks:
+        toks, pos, slots = [], [], []
+        ints, ctx = self.host_ints, self.host_ctx
+        ctx.zero_()
+        rows = ctx[b:].view(b, w)
+        for i, c in enumerate(record.chunks):
             s, p = c.stream, c.start
             table = s.block_table
             toks.extend(s.token_slice(p, p + 1))
             pos.append(p)
             slots.append(table[p // block_size] * block_size + p % block_size)
-            rows.append(table + [0] * (w - len(table)))
-        ints, ctx = self.host_ints, self.host_ctx
+            rows[i, : len(table)] = tables.get(s)
         ints[:, n:] = 0
         ints[2, n:] = -1
         ints[:, :n] = torch.tensor([toks, pos, slots], dtype=torch.int64)
-        ctx.zero_()
         ctx[:n] = torch.tensor(pos, dtype=torch.int32) + 1
-        ctx[b: b + n * w] = torch.tensor(rows, dtype=torch.int32).view(-1)
         self.ints.copy_(ints, non_blocking=True)
         self.ctx.copy_(ctx, non_blocking=True)

@@ -84,3 +84,23 @@ def test_step_token_budget_defaults_by_device_and_obeys_an_explicit_one():
         EngineConfig(max_batch_tokens=0)
     core = small_core(synthetic_model("tiny-llama", seed=3), max_batch_tokens=None)
     assert core.scheduler.max_batch_tokens == 256
+
+
+def test_block_tables_convert_only_new_blocks_and_follow_replaced_lists():
+    from replica.runner import BlockTables
+    from replica.stream import Stream
+
+    s = Stream("a", [1], SamplingParams())
+    tables = BlockTables()
+    s.block_table = [3, 4]
+    first = tables.get(s)
+    assert first.tolist() == [3, 4] and first.dtype == torch.int32
+    assert tables.get(s) is first  # unchanged: no conversion
+    s.block_table = s.block_table + [9]  # grown, as the scheduler grows it
+    assert tables.get(s).tolist() == [3, 4, 9]
+    s.block_table = [7]  # preempted and readmitted elsewhere
+    assert tables.get(s).tolist() == [7]
+    s.block_table = [7, 2, 8]
+    assert tables.get(s).tolist() == [7, 2, 8]
+    s.block_table = [5, 2, 8, 1]  # same length prefix, other blocks
+    assert tables.get(s).tolist() == [5, 2, 8, 1]
