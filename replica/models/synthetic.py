@@ -55,6 +55,7 @@ class ByteTokenizer:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self.specials = {name: 256 + i for i, name in enumerate(SPECIALS)}
+        self._names = {v: k for k, v in self.specials.items()}
         self.bos_token_id = None
         self.eos_token_ids = (self.specials["<|im_end|>"], self.specials["<|endoftext|>"])
 
@@ -80,7 +81,7 @@ class ByteTokenizer:
                 continue
             parts.append(data.decode("utf-8", errors="replace"))
             data = bytearray()
-            name = next((n for n, v in self.specials.items() if v == i), None)
+            name = self._names.get(i)
             if name is None:
                 parts.append(f"<{i}>")
             elif not skip_special_tokens:
