@@ -19,7 +19,7 @@ from kernels import triton_attention, triton_int4, triton_moe, triton_q4
 from kernels.linear import Linear
 
 DEV = "cuda"
-Q4_TILES = ("16x64x128w1s3", "16x64x128w1s2", "16x64x64w1s3", "16x64x64w1s4")  # first: engine's
+Q4_TILES = ("16x64x64w1s3", "16x64x128w1s3", "16x64x64w1s4")  # the first is the engine's
 ATTN_CASES = ((1, 128), (64, 128), (1, 2048), (64, 2048), (8, 8192), (1, 32768), (16, 32768))
 # the previous engine kernels (v5: fixed 16x32x128w4 tile, no split-K, KV fp32), same bench,
 # from kernels/GPU_NOTES.md: (kernel, shape, M) -> GB/s
@@ -147,19 +147,17 @@ def _bench_moe_tile(copy_gbs: float, ts, router, layers, g) -> list[dict]:
         rows.append(dict(kernel="moe_route", shape="128x2048", m=t, variant="q4", ms=ms,
                          gbs=router_bytes / ms / 1e6, pct_copy=100 * router_bytes / ms / 1e6 / copy_gbs))
 
-        for x_half in (False, True):  # experts read x as fp16 (one conversion kernel first)
-            def full():
-                triton_moe.route(x, router, 8, True, ids, wts)
-                triton_moe.experts_forward(x.half() if x_half else x, ids, lay(), inter, y)
-                triton_moe.combine(y, wts, out)
-            ms = timed(full, "moe")
-            gbs = nbytes / ms / 1e6
-            st = layers[0]
-            rows.append(dict(kernel="moe", shape=f"E128 k8 touched={touched}", m=t,
-                             variant=f"{st.tile.name} S={st.gu_split}/{st.down_split}"
-                                     f"{' x16' if x_half else ''}",
-                             ms=ms, gbs=gbs, pct_copy=100 * gbs / copy_gbs,
-                             v5_gbs=V5_GBS.get(("moe", "E128 k8", t))))
+        def full():
+            triton_moe.route(x, router, 8, True, ids, wts)
+            triton_moe.experts_forward(x, ids, lay(), inter, y)
+            triton_moe.combine(y, wts, out)
+        ms = timed(full, "moe")
+        gbs = nbytes / ms / 1e6
+        st = layers[0]
+        rows.append(dict(kernel="moe", shape=f"E128 k8 touched={touched}", m=t,
+                         variant=f"{st.tile.name} S={st.gu_split}/{st.down_split}",
+                         ms=ms, gbs=gbs, pct_copy=100 * gbs / copy_gbs,
+                         v5_gbs=V5_GBS.get(("moe", "E128 k8", t))))
     return rows
 
 

@@ -20,9 +20,11 @@ stamp "kernel benchmark"
 timeout "${T_BENCH:-240}" python -m kernels.bench_gpu --ms "${BENCH_MS:-1,8,64}" \
   ${BENCH_ARGS:-} --json "$OUT/kernels.json"
 
-stamp "engine: a stream alone vs among 1..64 others, bitwise"
-timeout "${T_ENGINE_TESTS:-200}" python -m pytest -q tests/kernels/test_gpu.py \
-  -k "engine or stream_alone" 2>&1 | tail -30
+if [ -n "${ENGINE_TESTS-1}" ]; then  # ENGINE_TESTS= (empty) skips it
+  stamp "engine: a stream alone vs among 1..64 others, bitwise"
+  timeout "${T_ENGINE_TESTS:-200}" python -m pytest -q tests/kernels/test_gpu.py \
+    -k "engine or stream_alone" 2>&1 | tail -30
+fi
 
 if [ -n "${STREAMS-1,8,32,64}" ]; then  # STREAMS= (empty) skips it
   stamp "engine benchmark"

@@ -351,8 +351,8 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
                     inter: torch.Tensor, y: torch.Tensor, tile: TileConfig | None = None) -> None:
     """y [T*k, hidden] ← expert(ids[t, r]) applied to x[t], row a = t*k + r; inter [T*k, I]
     (float16 for q4/q8 experts: the down GEMM rounds it to fp16 anyway, so the bits are the
-    same and its bytes half); x float32, or float16 for q4/q8 experts (same bits, half the
-    bytes). q4 experts run the tile they were stacked for; tile is the f32/q8 one. Tokens go CHUNK_TOKENS per pass (a token's bits do not depend on its pass)."""
+    same and its bytes half). q4 experts run the tile they were stacked for; tile is the
+    f32/q8 one. Tokens go CHUNK_TOKENS per pass (a token's bits do not depend on its pass)."""
     t, top_k = ids.shape
     if (inter.shape[0], y.shape[0]) != (t * top_k, t * top_k):
         raise ValueError("inter [T*k, I] and y [T*k, hidden] expected")
@@ -366,12 +366,7 @@ def _experts_pass(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
                   inter: torch.Tensor, y: torch.Tensor, tile: TileConfig | None) -> None:
     t, top_k = ids.shape
     tk = t * top_k
-    if experts.fmt != "f32" and x.dtype == torch.float16:  # the GEMM rounds x to fp16 anyway
-        check_x(x.float()[:0], experts.hidden)
-        if x.stride(1) != 1:
-            raise ValueError("x: rows must be contiguous")
-    else:
-        check_x(x, experts.hidden)
+    check_x(x, experts.hidden)
     if inter.shape != (tk, experts.inter) or y.shape != (tk, experts.hidden):
         raise ValueError("inter [T*k, I] and y [T*k, hidden] expected")
     if y.dtype != torch.float32 or not y.is_contiguous() or not inter.is_contiguous():

@@ -41,11 +41,12 @@ SPLIT_ROWS = 512  # rows per launch, split weights: bounds the partials (S x row
 
 @dataclass(frozen=True)
 class Q4Tile:
-    """Tile of the q4 GEMM: BM rows × BN outputs, NB 32-blocks of K per loop step."""
+    """Tile of the q4 GEMM: BM rows × BN outputs, NB 32-blocks of K per loop step, one warp
+    per program by default (the loads go straight into the MMA operand layout; see sass_report)."""
 
     bm: int = 16
     bn: int = 64
-    nb: int = 4
+    nb: int = 2  # BK = 64: measured best or tied at M = 1, 8, 64 (GPU_NOTES v6)
     warps: int = 1
     stages: int = 3
 
@@ -55,14 +56,14 @@ class Q4Tile:
 
     @classmethod
     def parse(cls, spec: str) -> "Q4Tile":
-        """"16x64x128w1s3" → Q4Tile (BM x BN x BK, warps, pipeline stages)."""
+        """"16x64x64w1s3" → Q4Tile (BM x BN x BK, warps, pipeline stages)."""
         try:
             dims, _, rest = spec.partition("w")
             warps, _, stages = rest.partition("s")
             bm, bn, bk = (int(v) for v in dims.split("x"))
             tile = cls(bm, bn, bk // QBLOCK, int(warps), int(stages or 3))
         except ValueError as e:
-            raise ValueError(f"q4 tile {spec!r}: expected BMxBNxBKwW[sS], e.g. 16x64x128w1s3") from e
+            raise ValueError(f"q4 tile {spec!r}: expected BMxBNxBKwW[sS], e.g. 16x64x64w1s3") from e
         if bk % QBLOCK or bm < 16 or bn < 16 or bk < QBLOCK:
             raise ValueError(f"q4 tile {spec!r}: BM, BN >= 16, BK a multiple of 32")
         return tile

@@ -174,20 +174,6 @@ def test_moe_at_real_shapes_and_bitwise_alone_vs_among_64():
     assert not stacked.gu_tickets.any() and not stacked.down_tickets.any()
 
 
-def test_experts_read_fp16_activations_with_the_same_bits():
-    router, experts, stacked = real_moe()
-    g = torch.Generator(DEV).manual_seed(7)
-    x = torch.randn(40, 2048, generator=g, device=DEV)
-    ids = torch.empty(40, 8, dtype=torch.int32, device=DEV)
-    triton_moe.route(x, router, 8, True, ids, nan(40, 8))
-    ys = []
-    for xin in (x, x.half()):
-        y = nan(320, 2048)
-        triton_moe.experts_forward(xin, ids, stacked, nan(320, 768).half(), y)
-        ys.append(y)
-    assert torch.isfinite(ys[0]).all() and torch.equal(ys[0], ys[1])
-
-
 def test_long_prefills_split_into_launches_change_no_bits(monkeypatch):
     """Split weights take SPLIT_ROWS rows per launch and the experts CHUNK_TOKENS tokens per
     pass (bounded partials): a row's bits are those of one launch."""

