@@ -48,21 +48,23 @@ def _prompts(n: int) -> list[str]:
     return [f"{PROMPTS[i % len(PROMPTS)]} (variant {i})" for i in range(n)]
 
 
-def bench_fedserve(engine: Engine, streams: int, max_tokens: int) -> Row:
-    """All streams submitted at once; tok/s = generated tokens / wall time until the last ends."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    reqs = [Request(prompt=p, params=params) for p in _prompts(streams)]
+def measure(engine: Engine, reqs: list[Request]) -> dict:
+    """Submit every request at once and time them: TTFT (mean, max), the time until the last
+    stream's first token (prefill), the steps and tokens after it (decode), and the whole run."""
     first: dict[str, float] = {}
     done = threading.Semaphore(0)
-    tokens = [0]
-
-    last_first = [0.0, 0]  # (time, engine steps) when the last stream got its first token
+    tokens = [0, 0]  # all, and those after every stream had its first token
+    mark = [0.0, 0]  # (time, engine steps) when the last stream got its first token
 
     def sink(ev) -> None:  # runs on the engine's thread, between steps
-        if ev.token_ids and ev.request_id not in first:
-            first[ev.request_id] = last_first[0] = time.perf_counter()
-            last_first[1] = engine.core.steps
+        now = time.perf_counter()
         tokens[0] += len(ev.token_ids)
+        if ev.token_ids and ev.request_id not in first:
+            first[ev.request_id] = now
+            if len(first) == len(reqs):
+                mark[0], mark[1] = now, engine.core.steps
+        elif len(first) == len(reqs):
+            tokens[1] += len(ev.token_ids)
         if ev.finished:
             done.release()
 
@@ -73,12 +75,20 @@ def bench_fedserve(engine: Engine, streams: int, max_tokens: int) -> Row:
     for _ in reqs:
         done.acquire()
     end = time.perf_counter()
-    dt = end - t0
-    ttft = sum(first.values()) / len(first) - t0
-    steps = engine.core.steps - steps0
-    decode_steps = engine.core.steps - last_first[1]
-    decode_ms = (end - last_first[0]) / decode_steps * 1e3 if decode_steps else 0.0
-    return Row("fedserve", streams, tokens[0], dt, tokens[0] / dt, ttft * 1e3, steps,
+    ttfts = [t - t0 for t in first.values()]
+    return {"seconds": end - t0, "steps": engine.core.steps - steps0, "tokens": tokens[0],
+            "ttft": sum(ttfts) / len(ttfts), "ttft_max": max(ttfts), "prefill_s": mark[0] - t0,
+            "decode_s": end - mark[0], "decode_steps": engine.core.steps - mark[1],
+            "decode_tokens": tokens[1]}
+
+
+def bench_fedserve(engine: Engine, streams: int, max_tokens: int) -> Row:
+    """All streams submitted at once; tok/s = generated tokens / wall time until the last ends."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    m = measure(engine, [Request(prompt=p, params=params) for p in _prompts(streams)])
+    dt, steps = m["seconds"], m["steps"]
+    decode_ms = m["decode_s"] / m["decode_steps"] * 1e3 if m["decode_steps"] else 0.0
+    return Row("fedserve", streams, m["tokens"], dt, m["tokens"] / dt, m["ttft"] * 1e3, steps,
                dt / max(steps, 1) * 1e3, decode_ms)
 
 

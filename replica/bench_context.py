@@ -12,13 +12,12 @@ KV pool sized from the device); each row says whether its streams fit the pool a
 from __future__ import annotations
 
 import json
-import threading
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 
-from replica.bench import copy_bandwidth, decode_bytes
+from replica.bench import copy_bandwidth, decode_bytes, measure
 from replica.engine import Engine
 from replica.request import Request
 from replica.sampling import SamplingParams
@@ -49,36 +48,9 @@ def prompts_of(context: int, streams: int, vocab: int, seed: int = 0) -> list[tu
     return [tuple(torch.randint(0, hi, (context,), generator=g).tolist()) for _ in range(streams)]
 
 
-def measure(engine: Engine, prompts: list[tuple[int, ...]], max_tokens: int) -> dict:
-    """Submit every prompt at once; time first tokens, the decode phase and steps."""
+def requests(prompts: list[tuple[int, ...]], max_tokens: int) -> list[Request]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    reqs = [Request(prompt_token_ids=p, params=params) for p in prompts]
-    first: dict[str, float] = {}
-    done = threading.Semaphore(0)
-    tokens_after = [0]
-    mark = [0.0, 0]  # (time, steps) when the last stream got its first token
-
-    def sink(ev) -> None:  # on the engine's thread, between steps
-        now = time.perf_counter()
-        if ev.token_ids and ev.request_id not in first:
-            first[ev.request_id] = now
-            if len(first) == len(reqs):
-                mark[0], mark[1] = now, engine.core.steps
-        elif len(first) == len(reqs):
-            tokens_after[0] += len(ev.token_ids)
-        if ev.finished:
-            done.release()
-
-    t0 = time.perf_counter()
-    for r in reqs:
-        engine.submit(r, sink)
-    for _ in reqs:
-        done.acquire()
-    end = time.perf_counter()
-    ttfts = [t - t0 for t in first.values()]
-    return {"prefill_s": mark[0] - t0, "ttft": sum(ttfts) / len(ttfts), "ttft_max": max(ttfts),
-            "decode_s": end - mark[0], "decode_steps": engine.core.steps - mark[1],
-            "decode_tokens": tokens_after[0]}
+    return [Request(prompt_token_ids=p, params=params) for p in prompts]
 
 
 def bench_context(engine: Engine, context: int, streams: int, max_tokens: int, copy_gbs: float,
@@ -89,7 +61,7 @@ def bench_context(engine: Engine, context: int, streams: int, max_tokens: int, c
     if graphs is not None:  # capture before timing: the graphs this run's decode steps use
         for ctx in range(context, context + max_tokens + 1, bs):
             graphs.warm(streams, -(-(ctx + 1) // bs))
-    m = measure(engine, prompts, max_tokens)
+    m = measure(engine, requests(prompts, max_tokens))
     steps = max(m["decode_steps"], 1)
     ms = m["decode_s"] / steps * 1e3
     gb = decode_bytes(engine, streams, context + max_tokens / 2) / 1e9
@@ -119,7 +91,8 @@ def run(model: str, contexts: list[int], streams: list[int], max_tokens: int,
     device = engine.config.device
     try:
         copy_gbs = copy_bandwidth(device)
-        measure(engine, prompts_of(min(contexts), 1, engine.model_config.vocab_size, seed=1), 4)
+        measure(engine, requests(prompts_of(min(contexts), 1, engine.model_config.vocab_size,
+                                            seed=1), 4))
         rows = [bench_context(engine, c, n, max_tokens, copy_gbs) for c in contexts for n in streams]
     finally:
         engine.shutdown()
