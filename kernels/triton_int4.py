@@ -148,12 +148,7 @@ def rows_times_w(x_ptr, x_rows, row_mask, stride_x, w_ptr, s_ptr, n0, n_mask, K,
 def _linear_kernel(x_ptr, w_ptr, s_ptr, res_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_s,
                    stride_res, stride_y, FMT: tl.constexpr, HAS_RES: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
+    pid_m, pid_n, offs_m, offs_n, m_mask, n_mask = triton_q4.output_tile(M, N, BM, BN)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     acc = rows_times_w(x_ptr, offs_m, m_mask, stride_x, w_ptr, s_ptr, pid_n * BN, n_mask, K,
                        stride_w, stride_s, acc, FMT, BN, BK)

@@ -252,16 +252,22 @@ def split_release(tickets_ptr, ticket):
     tl.atomic_xchg(tickets_ptr + ticket, 0)
 
 
-@triton.jit(do_not_specialize=["M", "stride_res", "stride_y"])
-def _q4_linear_kernel(x_ptr, w_ptr, sm_ptr, res_ptr, y_ptr, ws_ptr, tickets_ptr, M, N, K,
-                      stride_x, stride_res, stride_y, HAS_RES: tl.constexpr, BM: tl.constexpr,
-                      BN: tl.constexpr, NB: tl.constexpr, S: tl.constexpr, ASM: tl.constexpr):
+@triton.jit
+def output_tile(M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's output tile of a GEMM grid (axis 0: row tiles, axis 1: column tiles):
+    (pid_m, pid_n, rows [BM], columns [BN], row mask, column mask)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
+    return pid_m, pid_n, offs_m, offs_n, offs_m < M, offs_n < N
+
+
+@triton.jit(do_not_specialize=["M", "stride_res", "stride_y"])
+def _q4_linear_kernel(x_ptr, w_ptr, sm_ptr, res_ptr, y_ptr, ws_ptr, tickets_ptr, M, N, K,
+                      stride_x, stride_res, stride_y, HAS_RES: tl.constexpr, BM: tl.constexpr,
+                      BN: tl.constexpr, NB: tl.constexpr, S: tl.constexpr, ASM: tl.constexpr):
+    pid_m, pid_n, offs_m, offs_n, m_mask, n_mask = output_tile(M, N, BM, BN)
     k_lo, k_hi = split_range(K, tl.program_id(2), S, 32 * NB)
     acc = q4_rows(x_ptr, offs_m, m_mask, stride_x, w_ptr, sm_ptr, pid_n * BN, n_mask, N, k_lo,
                   k_hi, BM, BN, NB, ASM)
