@@ -104,11 +104,11 @@ class ModelRunner:
         cuda = torch.device(model.device).type == "cuda"
         self.tables = BlockTables()
         self.graphs = DecodeGraphs(model, kv, fast_prefill, self.tables) if cuda else None
+        self._host: torch.Tensor | None = None  # pinned staging for logits rows (CUDA)
+        self._host_ids: torch.Tensor | None = None  # pinned staging for argmax ids (CUDA)
 
     def prefill_range(self, c: Chunk) -> tuple[int, int] | None:
         return prefill_range(c, self.fast_prefill)
-        self._host: torch.Tensor | None = None  # pinned staging for logits rows (CUDA)
-        self._host_ids: torch.Tensor | None = None  # pinned staging for argmax ids (CUDA)
 
     def build(self, record: StepRecord) -> tuple[ForwardBatch, list[int], list[tuple[int, int, int]]]:
         bs = self.block_size
