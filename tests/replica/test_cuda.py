@@ -93,8 +93,9 @@ def test_cuda_bf16_defaults_follow_cpu_up_to_near_ties_on_tiny_qwen3_moe():
 
 
 def test_cuda_tiled_prefill_of_long_prompts_follows_cpu_up_to_near_ties():
-    """Prompts of 700-900 tokens (past MIN_POSITION: the tiled FlashAttention path) against the
-    CPU's paged kernel on a bf16 pool."""
+    """Prompts of 700-850 tokens (past MIN_POSITION: the tiled FlashAttention path, which also
+    rounds q and the softmax weights to bf16) against the CPU's paged kernel on a bf16 pool:
+    a near-tie here is a top-2 gap under 3% of the logit range."""
     g = torch.Generator().manual_seed(5)
     prompts = [tuple(torch.randint(0, 256, (700 + 50 * i,), generator=g).tolist()) for i in range(4)]
     calls = []
@@ -107,7 +108,7 @@ def test_cuda_tiled_prefill_of_long_prompts_follows_cpu_up_to_near_ties():
     assert calls, "the long prompts should have used the tiled prefill"
     cpu = greedy("tiny-qwen3-moe", "cpu", prompts, 24, kv_dtype="bfloat16")
     assert_parts_only_at_near_ties(loaded("tiny-qwen3-moe"), prompts, cpu, cuda, min_agree=0.5,
-                                   ref_kv_dtype=torch.bfloat16)
+                                   tie=0.03, ref_kv_dtype=torch.bfloat16)
 
 
 def others(n: int, context: int, vocab: int) -> list[StreamSpec]:
