@@ -1,12 +1,16 @@
 """`fedserve bench engine --context N,...`: prefill and decode at given prompt lengths.
 
-For each context and concurrency, all streams are submitted at once with prompts of exactly
-`context` token ids, greedy, ignore_eos. Measured: prefill tok/s (prompt tokens / time until
-the last stream's first token), TTFT, decode tok/s and ms/step (the steps after every stream
-has its first token), the bytes a decode step must move (bench.decode_bytes: weights touched +
-the KV read) and that as a % of the roofline given by a copy measured in the same run. On CUDA
-also the decode step's CUDA graph replayed alone. The engine runs with its default config (its
-KV pool sized from the device); each row says whether its streams fit the pool at once.
+For each context and concurrency, two phases on the same streams (greedy, ignore_eos):
+  prefill: every prompt of exactly `context` token ids submitted at once for one token, its
+    KV kept under a session id: prefill tok/s (prompt tokens / time until the last first
+    token) and TTFT;
+  decode: the same prompts again under their sessions, so each recomputes one token and all
+    start decoding together: decode tok/s and ms/step over the steps where every stream
+    decodes, the bytes such a step must move (bench.decode_bytes: weights touched + KV read)
+    and that as a % of the roofline given by a copy measured in the same run. On CUDA also
+    the decode step's CUDA graph alone, on inputs of exactly `streams` x `context`.
+The engine runs with its default config (its KV pool sized from the device); each row says
+whether its streams fit the pool at once (if not, sessions are evicted and recomputed).
 """
 
 from __future__ import annotations
@@ -48,9 +52,11 @@ def prompts_of(context: int, streams: int, vocab: int, seed: int = 0) -> list[tu
     return [tuple(torch.randint(0, hi, (context,), generator=g).tolist()) for _ in range(streams)]
 
 
-def requests(prompts: list[tuple[int, ...]], max_tokens: int) -> list[Request]:
+def requests(prompts: list[tuple[int, ...]], max_tokens: int, tag: str | None = None
+             ) -> list[Request]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return [Request(prompt_token_ids=p, params=params) for p in prompts]
+    return [Request(prompt_token_ids=p, params=params,
+                    session_id=None if tag is None else f"{tag}-{i}") for i, p in enumerate(prompts)]
 
 
 def bench_context(engine: Engine, context: int, streams: int, max_tokens: int, copy_gbs: float,
@@ -61,20 +67,23 @@ def bench_context(engine: Engine, context: int, streams: int, max_tokens: int, c
     if graphs is not None:  # capture before timing: the graphs this run's decode steps use
         for ctx in range(context, context + max_tokens + 1, bs):
             graphs.warm(streams, -(-(ctx + 1) // bs))
-    m = measure(engine, requests(prompts, max_tokens))
-    steps = max(m["decode_steps"], 1)
-    ms = m["decode_s"] / steps * 1e3
+    tag = f"bench-{context}-{streams}"
+    pre = measure(engine, requests(prompts, 1, tag))
+    dec = measure(engine, requests(prompts, max_tokens, tag))
+    core = engine.core
+    engine.run_on_loop(lambda: [core.sessions.drop(k) for k in core.sessions.keys()])
+    steps = max(dec["decode_steps"], 1)
+    ms = dec["decode_s"] / steps * 1e3
     gb = decode_bytes(engine, streams, context + max_tokens / 2) / 1e9
-    row = ContextRow(context, streams, streams * context / m["prefill_s"], m["ttft"] * 1e3,
-                     m["ttft_max"] * 1e3, m["decode_tokens"] / m["decode_s"] if m["decode_s"] else 0,
+    row = ContextRow(context, streams, streams * context / pre["prefill_s"], pre["ttft"] * 1e3,
+                     pre["ttft_max"] * 1e3,
+                     dec["decode_tokens"] / dec["decode_s"] if dec["decode_s"] else 0.0,
                      ms, gb, 100 * gb / (ms / 1e3) / copy_gbs if ms else 0.0,
                      fits=streams * (context + max_tokens) <= engine.kv_capacity_tokens,
-                     decode_steps=m["decode_steps"])
+                     decode_steps=dec["decode_steps"])
     if graphs is not None:
-        key = graphs.key_for(streams, -(-(context + max_tokens // 2) // bs))
-        if key in graphs.captured:
-            row.gpu_ms_per_step = graphs.time_replay(key)
-            row.gpu_roofline_pct = 100 * gb / (row.gpu_ms_per_step / 1e3) / copy_gbs
+        row.gpu_ms_per_step = graphs.time_decode(streams, context + max_tokens // 2)
+        row.gpu_roofline_pct = 100 * gb / (row.gpu_ms_per_step / 1e3) / copy_gbs
     return row
 
 
@@ -114,9 +123,10 @@ def format_table(rows: list[ContextRow], engine: Engine, model: str, copy_gbs: f
     lines = [f"engine benchmark by context: {label} on {cfg.device}, loaded in {load_s:.1f} s",
              f"KV pool: {engine.kv_capacity_tokens:,} tokens "
              f"({str(cfg.kv_torch_dtype).removeprefix('torch.')}); measured copy "
-             f"{copy_gbs:.0f} GB/s (read + write); decode columns: the steps after every stream "
-             f"has its first token; GB/step: weights a decode step touches + KV it reads; "
-             f"* = the streams did not fit the pool at once"]
+             f"{copy_gbs:.0f} GB/s (read + write); prefill: all prompts at once; decode: the "
+             f"same streams resumed from their retained KV, every stream decoding; GB/step: "
+             f"weights a decode step touches + KV it reads; GPU: the decode graph alone at "
+             f"streams x context; * = the streams did not fit the pool at once"]
     head = (f"{'context':>7} {'streams':>7} {'prefill tok/s':>13} {'TTFT ms':>8} {'TTFT max':>8} "
             f"{'decode tok/s':>12} {'ms/step':>8} {'GB/step':>8} {'%roofline':>9}")
     gpu = any(r.gpu_ms_per_step for r in rows)

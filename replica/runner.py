@@ -280,6 +280,28 @@ class DecodeGraphs:
         g.graph.replay()
         return g.logits, g.argmax
 
+    def time_decode(self, streams: int, context: int, iters: int = 20) -> float:
+        """Median ms of the decode graph for `streams` streams each reading `context` keys, on
+        inputs made up for it (benchmarks): stream i reads its own run of blocks (the pool's
+        blocks in turn, wrapping when it is too small) and writes nothing (slot -1)."""
+        bs = self.block_size
+        per = -(-context // bs)
+        self.warm(streams, per)
+        key = self.key_for(min(streams, GRAPH_BATCHES[-1]), per)
+        g = self._graphs[key]
+        n = min(streams, g.batch)
+        ints, ctx = g.host_ints, g.host_ctx
+        ints.zero_()
+        ints[1, :n] = context - 1
+        ints[2] = -1
+        ctx.zero_()
+        ctx[:n] = context
+        blocks = torch.arange(n * per, dtype=torch.int32) % self.kv.num_blocks
+        ctx[g.batch:].view(g.batch, g.width)[:n, :per] = blocks.view(n, per)
+        g.ints.copy_(ints, non_blocking=True)
+        g.ctx.copy_(ctx, non_blocking=True)
+        return self.time_replay(key, iters)
+
     def time_replay(self, key: tuple[int, int], iters: int = 20) -> float:
         """Median ms of replaying the graph `key` on its current inputs (benchmarks)."""
         g = self._graphs[key]
