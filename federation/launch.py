@@ -110,8 +110,8 @@ def kv_pool_line(url: str, cfg: FederationConfig) -> str | None:
         return None
     if not replicas:
         return None
-    block = EngineConfig.block_size  # the replicas run the engine's default block size
-    sizes = [r.get("kv_capacity_tokens") or r["kv_blocks_total"] * block for r in replicas]
+    sizes = [r.get("kv_capacity_tokens") or r["kv_blocks_total"] * EngineConfig.block_size
+             for r in replicas]
     return "KV pool per replica: " + ", ".join(f"{n:,} tokens" for n in sizes)
 
 

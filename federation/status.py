@@ -21,6 +21,7 @@ def summarize(stats: dict) -> dict:
             "waiting": stats.get("waiting_streams", 0),
             "max_running": stats.get("max_running_streams", 0),
             "kv_blocks_used": total - free, "kv_blocks_total": total,
+            "kv_capacity_tokens": stats.get("kv_capacity_tokens"),
             "sessions": len(stats.get("resident_sessions", ()))}
 
 

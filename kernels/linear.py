@@ -105,12 +105,6 @@ class Linear:
         return sum(t.numel() * t.element_size()
                    for t in (self.weight, self.qs, self.scale, self.minv) if t is not None)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [n, in] float32 → [n, out] float32, batch-invariant per row."""
-        from kernels import ops
-
-        return ops.linear(self, x)
-
 
 def _check(t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, name: str) -> None:
     if t is None:

@@ -120,7 +120,7 @@ class Transformer:
             sin = self.sin[b.positions][:, None, :]
         for i, layer in enumerate(self.layers):
             x = ops.rms_norm(h, layer.attn_norm, cfg.rms_norm_eps)
-            qkv = layer.qkv(x)  # [T, (H + 2*KVH) * D]
+            qkv = ops.linear(layer.qkv, x)  # [T, (H + 2*KVH) * D]
             if self.fused:  # one kernel: q [T, H, D] out, K/V into the pool
                 q = ops.qkv_rope_store(qkv, b.positions, self.cos, self.sin, layer.q_norm,
                                        layer.k_norm, cfg.rms_norm_eps, b.slots, kv.k[i], kv.v[i],
@@ -146,7 +146,7 @@ class Transformer:
             hidden = ops.rms_norm(h[b.hidden_rows], self.final_norm, cfg.rms_norm_eps)
         logits = None
         if b.logit_rows.numel():
-            logits = self.lm_head(ops.rms_norm(h[b.logit_rows], self.final_norm, cfg.rms_norm_eps))
+            logits = ops.linear(self.lm_head, ops.rms_norm(h[b.logit_rows], self.final_norm, cfg.rms_norm_eps))
         return logits, hidden
 
     def _attention(self, q: torch.Tensor, kv: KVCache, i: int, b: ForwardBatch,
@@ -176,7 +176,7 @@ class Transformer:
         if layer.moe is not None:  # CUDA: router, grouped expert GEMMs, combine + residual
             return ops.moe(x, layer.router, layer.moe, cfg.num_experts_per_tok,
                            cfg.norm_topk_prob, residual=h)
-        probs = ops.softmax(layer.router(x))  # [T, E]
+        probs = ops.softmax(ops.linear(layer.router, x))  # [T, E]
         top_w, top_i = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)  # [T, k]
         if cfg.norm_topk_prob:
             total = top_w[:, 0]
@@ -195,9 +195,9 @@ class Transformer:
 
 
 def _mlp(gate_up: Linear, down: Linear, x: torch.Tensor) -> torch.Tensor:
-    gu = gate_up(x)  # [T, 2I]
+    gu = ops.linear(gate_up, x)  # [T, 2I]
     inter = gu.shape[1] // 2
-    return down(ops.silu_mul(gu[:, :inter], gu[:, inter:]))
+    return ops.linear(down, ops.silu_mul(gu[:, :inter], gu[:, inter:]))
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
