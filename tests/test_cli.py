@@ -10,7 +10,7 @@ import pytest
 
 
 def fedserve(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "federation.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True,
                           text=True, timeout=timeout)
 
 

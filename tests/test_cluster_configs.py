@@ -114,7 +114,7 @@ def test_prometheus_config_passes_promtool():
 
 
 def test_fedserve_deploy_checks_the_file_before_sending(tmp_path, capsys):
-    from federation.cli import main
+    from cli.main import main
 
     assert main(["deploy", "--check", os.path.join(ROOT, "cluster", "gpu.yaml")]) == 0
     cfg = load(os.path.join(ROOT, "cluster", "gpu.yaml"))

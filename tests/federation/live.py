@@ -39,3 +39,28 @@ def replica_stats(num_replicas: int) -> dict[str, dict]:
         if len(seen) == num_replicas:
             break
     return seen
+
+
+def stream_chat(url: str, body: dict, headers: dict | None = None, on_line=None,
+                timeout: float = 240) -> tuple[str, dict]:
+    """POST a streamed chat; returns its content text and the response headers. No frame may be
+    an error; `on_line(i, headers)` runs after each SSE line (the tests' hook to kill or stop the
+    streaming replica mid-stream)."""
+    import json
+
+    import httpx
+
+    text = ""
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True},
+                      headers=headers or {}, timeout=timeout) as r:
+        assert r.status_code == 200, r.read()
+        got = dict(r.headers)
+        for i, line in enumerate(r.iter_lines()):
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                for ch in chunk.get("choices", []):
+                    text += ch["delta"].get("content") or ""
+            if on_line is not None:
+                on_line(i, got)
+    return text, got

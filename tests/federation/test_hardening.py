@@ -15,7 +15,6 @@ a key over its rate gets 429 + Retry-After."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import httpx
@@ -23,7 +22,7 @@ import pytest
 import ray
 
 from replica.wire import Reach
-from tests.federation.live import federation, replica_stats
+from tests.federation.live import federation, replica_stats, stream_chat
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"
@@ -111,28 +110,18 @@ def test_a_failing_health_check_moves_the_stream_byte_identical(fed):
     url, _ = fed
     live_replicas(2)
     messages = [{"role": "user", "content": "Write a long paragraph about mountains."}]
-    body = chat_body(messages, max_tokens=40, temperature=0.7, seed=5, stream=True)
+    body = chat_body(messages, max_tokens=40, temperature=0.7, seed=5)
 
-    def read(stream_body: dict, on_chunk=None) -> tuple[str, str]:
-        text = ""
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=stream_body, timeout=240,
-                          headers={"X-Session-ID": "health-session", **AUTH_A}) as r:
-            assert r.status_code == 200
-            replica = r.headers["x-fedserve-replica"]
-            for i, line in enumerate(r.iter_lines()):
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    chunk = json.loads(line[6:])
-                    assert "error" not in chunk, chunk
-                    for ch in chunk.get("choices", []):
-                        text += ch["delta"].get("content") or ""
-                if on_chunk is not None:
-                    on_chunk(i, replica)
-        return text, replica
+    def read(stream_body: dict, on_line=None) -> tuple[str, str]:
+        text, headers = stream_chat(url, stream_body, {"X-Session-ID": "health-session", **AUTH_A},
+                                    on_line)
+        return text, headers["x-fedserve-replica"]
 
     reference, _ = read({**body, "seed": 5})
     stopped: list[str] = []
 
-    def stop_its_engine(i: int, replica: str) -> None:
+    def stop_its_engine(i: int, headers: dict) -> None:
+        replica = headers["x-fedserve-replica"]
         if i == 6 and not stopped:
             others = [k for k in live_replicas(2) if k != replica]
             stopped.append(replica_handle().stop_engine.remote(Reach(tuple(others))).result(timeout_s=60))

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from replica.wire import Reach
-from tests.federation.live import federation, replica_stats
+from tests.federation.live import federation, replica_stats, stream_chat
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"
@@ -42,17 +42,8 @@ def chat(url, messages, session=None, **kw):
 
 
 def stream_text(url, messages, **kw) -> tuple[str, dict]:
-    body = {"model": MODEL, "messages": messages, "max_tokens": 24, "temperature": 0,
-            "stream": True, **kw}
-    text = ""
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
-        assert r.status_code == 200
-        headers = dict(r.headers)
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                for ch in json.loads(line[6:]).get("choices", []):
-                    text += ch["delta"].get("content") or ""
-    return text, headers
+    return stream_chat(url, {"model": MODEL, "messages": messages, "max_tokens": 24,
+                             "temperature": 0, **kw})
 
 
 def test_openai_client_chat_stream_completions_embeddings_models(client):
@@ -320,24 +311,20 @@ def test_z_killing_the_streaming_replica_is_invisible_to_the_client(fed):
     messages = [{"role": "user", "content": "Write a long paragraph about rivers."}]
     params = {"max_tokens": 48, "temperature": 0.8, "seed": 11}
     reference, _ = stream_text(url, messages, **params)
-    body = {"model": MODEL, "messages": messages, "stream": True, **params}
-    text = ""
+    body = {"model": MODEL, "messages": messages, **params}
     killed = None
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=180,
-                      headers={"X-Session-ID": "failover-session"}) as r:
-        replica = r.headers["x-fedserve-replica"]
-        for i, line in enumerate(r.iter_lines()):
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                for ch in chunk.get("choices", []):
-                    text += ch["delta"].get("content") or ""
-            if i == 8 and killed is None:
-                name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                            if a["name"].startswith("SERVE_REPLICA::fedserve#Replica#")
-                            and a["name"].endswith(replica))
-                ray.kill(ray.get_actor(name, namespace="serve"), no_restart=False)
-                killed = replica
+
+    def kill_it(i: int, headers: dict) -> None:
+        nonlocal killed
+        if i == 8 and killed is None:
+            replica = headers["x-fedserve-replica"]
+            name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                        if a["name"].startswith("SERVE_REPLICA::fedserve#Replica#")
+                        and a["name"].endswith(replica))
+            ray.kill(ray.get_actor(name, namespace="serve"), no_restart=False)
+            killed = replica
+
+    text, _ = stream_chat(url, body, {"X-Session-ID": "failover-session"}, kill_it, timeout=180)
     assert killed is not None
     assert text == reference
     nxt = chat(url, messages + [{"role": "assistant", "content": text},

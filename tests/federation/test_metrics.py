@@ -17,7 +17,7 @@ import pytest
 import ray
 
 from federation import dashboards
-from federation.cli import main as cli_main
+from cli.main import main as cli_main
 from tests.federation.live import federation, free_port
 
 pytestmark = pytest.mark.slow

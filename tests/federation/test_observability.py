@@ -12,7 +12,7 @@ import pytest
 from ray.util.metrics import Counter, Gauge, Histogram
 
 from federation import dashboards
-from federation.cli import main as cli_main
+from cli.main import main as cli_main
 from federation.launch import free_port
 from federation.metrics import IngressMetrics, RouterMetrics
 from federation.status import render, summarize

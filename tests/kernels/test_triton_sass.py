@@ -1,4 +1,4 @@
-"""kernels.sass_report compiles the q4 GEMM for sm_90 without a GPU and finds its K loop.
+"""bench.sass_report compiles the q4 GEMM for sm_90 without a GPU and finds its K loop.
 Run as a subprocess: the interpreter tests in this directory import Triton in interpreter mode."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def test_sass_report_counts_the_k_loop_of_the_engine_tile():
     operand layout: no shared-memory stores in the K loop, and a few instructions per weight
     (the v5 loop took 9.7; this one about 3)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-m", "kernels.sass_report", "16x64x64w1s3"],
+    out = subprocess.run([sys.executable, "-m", "bench.sass_report", "16x64x64w1s3"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     loops = re.findall(r"K loop (\d+) = ([\d.]+) per weight", out.stdout)

@@ -26,7 +26,7 @@ def fed_url():
 
 
 def fedserve(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "federation.cli", "loadtest", *args],
+    return subprocess.run([sys.executable, "-m", "cli", "loadtest", *args],
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 

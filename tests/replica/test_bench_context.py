@@ -7,12 +7,12 @@ import json
 import subprocess
 import sys
 
-from replica.bench_context import prompts_of
+from bench.engine_context import prompts_of
 
 
 def test_bench_by_context_on_cpu_with_the_default_model(tmp_path):
     path = tmp_path / "bench.json"
-    out = subprocess.run([sys.executable, "-m", "federation.cli", "bench", "engine", "--context",
+    out = subprocess.run([sys.executable, "-m", "cli", "bench", "engine", "--context",
                           "32", "--streams", "1,2", "--max-tokens", "4", "--json", str(path)],
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr

@@ -6,7 +6,7 @@ Instructions per weight predict the loop's speed without spending device time, a
 that stores to shared memory (STS) shows a tile where Triton did not load the raw bytes
 straight into the MMA operand layout.
 
-    python -m kernels.sass_report 16x64x64w1s3 16x64x128w4s3
+    python -m bench.sass_report 16x64x64w1s3 16x64x128w4s3
 """
 
 from __future__ import annotations

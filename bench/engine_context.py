@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from replica.bench import copy_bandwidth, decode_bytes, measure
+from bench.engine import copy_bandwidth, decode_bytes, measure
 from replica.engine import Engine
 from replica.request import Request
 from replica.sampling import SamplingParams

@@ -166,14 +166,14 @@ def cmd_up(args) -> int:
 
 
 def cmd_bench_engine(args) -> int:
-    from replica import bench
+    from bench import engine as bench
 
     streams = args.streams or ([1, 8, 32, 64] if args.context else [1, 4, 8, 16])
     if args.profile:
         bench.profile_steps(args.model, max(streams), args.max_tokens, args.device)
         return 0
     if args.context:
-        from replica import bench_context
+        from bench import engine_context as bench_context
 
         bench_context.run(args.model, args.context, streams, args.max_tokens, args.json,
                           {"device": args.device})
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench" and args.bench == "engine":
         return cmd_bench_engine(args)
     if args.command == "bench" and args.bench == "federation":
-        from federation import bench
+        from bench import federation_bench as bench
 
         bench.bench(args.model, args.requests, args.streams, args.max_tokens, args.json)
         return 0

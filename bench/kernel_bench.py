@@ -4,7 +4,7 @@ a few tiles (each with its own split-K counts), the MoE layer, paged attention o
 fp32 KV at 2K-32K contexts; the v5 kernels' numbers beside them. Prints tables and writes
 JSON. Not a test.
 
-    python -m kernels.bench_gpu [--json out.json] [--ms 1,8,64] [--tiles 16x64x128w1s3,...]
+    python -m bench.kernel_bench [--json out.json] [--ms 1,8,64] [--tiles 16x64x128w1s3,...]
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def time_ms(fn, reps: int = 20, iters: int = 15) -> float:
 
 def copy_bandwidth() -> float:
     """GB/s of a 2 GiB device copy, bytes read + written (the engine benchmark's measure)."""
-    from replica.bench import copy_bandwidth as measure
+    from bench.engine import copy_bandwidth as measure
 
     return measure(DEV)
 

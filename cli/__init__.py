@@ -1,0 +1,1 @@
+"""The `fedserve` command line (cli/main.py), above every other package."""
