@@ -3,17 +3,13 @@ detokenizer that turns a stream's output tokens into text deltas with stop-strin
 
 from __future__ import annotations
 
-import itertools
 import uuid
 from dataclasses import dataclass, field
 
 from replica.sampling import SamplingParams
 
-_ids = itertools.count()
-
-
 def new_request_id() -> str:
-    return f"req-{next(_ids)}-{uuid.uuid4().hex[:8]}"
+    return f"req-{uuid.uuid4().hex[:16]}"  # no process-wide counter: engines share nothing
 
 
 @dataclass(frozen=True)
