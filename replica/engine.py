@@ -7,9 +7,11 @@ and receive StreamEvents through per-request sinks (thread-safe hand-offs).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import queue
 import threading
+import weakref
 from typing import AsyncIterator, Sequence
 
 from replica.config import EngineConfig
@@ -20,6 +22,17 @@ from replica.request import Request, RequestOutput, StreamEvent
 from replica.sampling import SamplingParams
 
 log = logging.getLogger("fedserve.engine")
+_live: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_live_engines() -> None:
+    """Stop every step loop before the interpreter finalizes. A daemon thread still inside a
+    kernel or a torch op when finalization begins is killed by a forced unwind through C++
+    frames, which aborts or segfaults the process after its work is done (measured: 1 exit in 3
+    of a script that made an Engine and returned)."""
+    for engine in list(_live):
+        engine.shutdown()
 
 
 class Engine:
@@ -36,6 +49,7 @@ class Engine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="fedserve-engine", daemon=True)
         self._thread.start()
+        _live.add(self)
 
     # ---- loop ---------------------------------------------------------------------------
     def _loop(self) -> None:
