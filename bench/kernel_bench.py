@@ -15,7 +15,7 @@ import json
 import torch
 import triton
 
-from kernels import triton_attention, triton_int4, triton_moe, triton_q4
+from kernels import moe_layout, q4_layout, triton_attention, triton_linear, triton_moe, triton_moe_route, triton_q4
 from kernels.linear import Linear
 
 DEV = "cuda"
@@ -88,7 +88,7 @@ def bench_linear(copy_gbs: float, ms_list, tiles) -> list[dict]:
         copies = max(1, (256 << 20) // (n * k * 5 // 8))  # rotate weights so L2 (60 MB) cannot hold them
         base += [rand_q4(n, k, g) for _ in range(copies - 1)]
         for tname, tile in tiles.items():
-            lins = [triton_q4.repack(b, tile) for b in base]
+            lins = [q4_layout.repack(b, tile) for b in base]
             nbytes = lins[0].qs.nbytes + lins[0].sm.nbytes
             state = {"i": 0}
 
@@ -112,12 +112,12 @@ def bench_linear(copy_gbs: float, ms_list, tiles) -> list[dict]:
 
 def bench_moe(copy_gbs: float, ts, tiles) -> list[dict]:
     g = torch.Generator(DEV).manual_seed(1)
-    router = triton_int4.to_gpu_format(rand_q4(128, 2048, g))
+    router = triton_linear.to_gpu_format(rand_q4(128, 2048, g))
     experts = [tuple((rand_q4(1536, 2048, g), rand_q4(2048, 768, g)) for _ in range(128))
                for _ in range(2)]
     rows = []
     for tname, tile in tiles.items():
-        layers = [triton_moe.StackedExperts.stack(e, tile) for e in experts]
+        layers = [moe_layout.StackedExperts.stack(e, tile) for e in experts]
         rows += _bench_moe_tile(copy_gbs, ts, router, layers, g)
         del layers
         torch.cuda.empty_cache()
@@ -130,7 +130,7 @@ def _bench_moe_tile(copy_gbs: float, ts, router, layers, g) -> list[dict]:
         x = torch.randn(t, 2048, generator=g, device=DEV)
         ids = torch.empty(t, 8, dtype=torch.int32, device=DEV)
         wts = torch.empty(t, 8, device=DEV)
-        triton_moe.route(x, router, 8, True, ids, wts)
+        triton_moe_route.route(x, router, 8, True, ids, wts)
         touched = int(torch.unique(ids).numel())
         inter = torch.empty(t * 8, 768, device=DEV, dtype=torch.float16)
         y = torch.empty(t * 8, 2048, device=DEV)
@@ -143,14 +143,14 @@ def _bench_moe_tile(copy_gbs: float, ts, router, layers, g) -> list[dict]:
             state["i"] ^= 1
             return layers[state["i"]]
 
-        ms = time_ms(lambda: triton_moe.route(x, router, 8, True, ids, wts))
+        ms = time_ms(lambda: triton_moe_route.route(x, router, 8, True, ids, wts))
         rows.append(dict(kernel="moe_route", shape="128x2048", m=t, variant="q4", ms=ms,
                          gbs=router_bytes / ms / 1e6, pct_copy=100 * router_bytes / ms / 1e6 / copy_gbs))
 
         def full():
-            triton_moe.route(x, router, 8, True, ids, wts)
+            triton_moe_route.route(x, router, 8, True, ids, wts)
             triton_moe.experts_forward(x, ids, lay(), inter, y)
-            triton_moe.combine(y, wts, out)
+            triton_moe_route.combine(y, wts, out)
         ms = timed(full, "moe")
         gbs = nbytes / ms / 1e6
         st = layers[0]
@@ -210,7 +210,7 @@ def main() -> None:
     ms_list = tuple(int(v) for v in args.ms.split(","))
     copy_gbs = copy_bandwidth()
     print(f"device copy: {copy_gbs:.0f} GB/s (read + write)", flush=True)
-    tiles = {t: triton_q4.Q4Tile.parse(t) for t in args.tiles.split(",")}
+    tiles = {t: q4_layout.Q4Tile.parse(t) for t in args.tiles.split(",")}
     rows = [] if args.no_attention else bench_attention(copy_gbs)
     print(format_rows(rows), flush=True)
     rows_l = bench_linear(copy_gbs, ms_list, tiles)

@@ -23,8 +23,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import triton_q4
-from kernels.triton_q4 import Q4Tile
+from kernels import q4_layout, triton_q4
+from kernels.q4_layout import Q4Tile
 
 CONSTEXPRS = ("HAS_RES", "BM", "BN", "NB", "S", "ASM")
 # what the runtime specializes for our shapes (multiples of 16): without it every load is scalar
@@ -99,7 +99,7 @@ def loop_report(tile: Q4Tile) -> LoopReport:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("tiles", nargs="*", default=[triton_q4.LINEAR_TILE.name])
+    ap.add_argument("tiles", nargs="*", default=[q4_layout.LINEAR_TILE.name])
     for spec in ap.parse_args().tiles:
         r = loop_report(Q4Tile.parse(spec))
         print(f"{spec}: kernel {r.total} instructions, K loop {r.loop} = {r.per_weight:.1f} per "

@@ -25,14 +25,25 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, K, stride_x, stride_y, eps, BLOCK: tl.
     tl.store(y_ptr + row * stride_y + k, x * inv * w, mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
-    """RMSNorm of the rows of x [R, K] (contiguous rows) into out [R, K]."""
-    r, k = x.shape
-    if x.dtype != torch.float32 or x.stride(1) != 1 or weight.shape != (k,) or out.shape != x.shape:
-        raise ValueError("rms_norm: x [R, K] float32 with contiguous rows, weight [K], out [R, K]")
-    if r:
-        _rms_norm_kernel[(r,)](x, weight, out, k, x.stride(0), out.stride(0), eps,
-                               BLOCK=triton.next_power_of_2(k), num_warps=4 if k <= 4096 else 8)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] f32, weight [K] f32 → out [..., K] f32: RMSNorm over the last dim (out is
+    allocated when not given)."""
+    k = x.shape[-1]
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.shape != (k,):
+        raise ValueError("rms_norm: x [..., K] float32, weight [K] float32")
+    if x.dim() == 2 and x.stride(1) == 1:
+        rows = x  # [R, K], row-strided views read in place
+    else:
+        rows = x.reshape(-1, k) if x.is_contiguous() else x.contiguous().reshape(-1, k)
+    if out is None:
+        out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    if out.shape != x.shape or not out.is_contiguous():
+        raise ValueError("rms_norm: out must be contiguous, shaped like x")
+    if rows.shape[0]:
+        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, k, rows.stride(0), k, eps,
+                                           BLOCK=triton.next_power_of_2(k),
+                                           num_warps=4 if k <= 4096 else 8)
     return out
 
 
@@ -46,9 +57,12 @@ def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, K, stride_g, stride_u, stride_y, BLOCK
     tl.store(y_ptr + row * stride_y + k, g / (1.0 + tl.exp(-g)) * u, mask=mask)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out = silu(gate) * up, [n, K] each (row-strided views allowed)."""
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """gate, up [n, K] f32 (rows contiguous, row-strided views allowed) → out [n, K] f32 =
+    silu(gate) * up (allocated when not given)."""
     n, k = gate.shape
+    if out is None:
+        out = torch.empty(n, k, dtype=torch.float32, device=gate.device)
     for t, name in ((gate, "gate"), (up, "up"), (out, "out")):
         if t.shape != (n, k) or t.dtype != torch.float32 or t.stride(1) != 1:
             raise ValueError(f"silu_mul: {name} must be float32 [n, K] with contiguous rows")
@@ -79,8 +93,12 @@ def _softmax_kernel(x_ptr, y_ptr, K, stride_x, stride_y, CHUNK: tl.constexpr):
         tl.store(y_ptr + row * stride_y + k0 + c, tl.exp(x - m) * inv, mask=k0 + c < K)
 
 
-def softmax(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def softmax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [n, K] f32 → out [n, K] f32, the softmax of each row (allocated when not given)."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
     n, k = x.shape
+    if out is None:
+        out = torch.empty(n, k, dtype=torch.float32, device=x.device)
     if x.dtype != torch.float32 or x.stride(1) != 1 or out.shape != x.shape:
         raise ValueError("softmax: x [n, K] float32 with contiguous rows")
     if n:
@@ -138,13 +156,16 @@ def _qkv_rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, s
 def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
                    eps: float, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   num_heads: int, q_out: torch.Tensor) -> torch.Tensor:
-    """From fused qkv [T, (H + 2*KVH) * D]: q_out [T, H, D] (normed, roped); k (normed, roped)
-    and v written to the caches [num_blocks, block_size, KVH, D] (float32, or bfloat16: rounded
-    to nearest) at flat slots [T] (-1: skip)."""
+                   num_heads: int, q_out: torch.Tensor | None = None) -> torch.Tensor:
+    """From fused qkv [T, (H + 2*KVH) * D] f32: q_out [T, H, D] f32 (normed, roped; allocated
+    when not given); k (normed, roped) and v written to the caches [num_blocks, block_size, KVH,
+    D] (float32, or bfloat16: rounded to nearest) at flat slots [T] int64 (-1: skip).
+    positions [T]; cos/sin [max_position, D]; q_norm/k_norm [D] or both None."""
     t = qkv.shape[0]
     nb, bs, kvh, d = k_cache.shape
     h = num_heads
+    if q_out is None:
+        q_out = torch.empty(t, h, d, dtype=torch.float32, device=qkv.device)
     if d & (d - 1) or d < 4:
         raise ValueError(f"head_dim {d} must be a power of two")
     if qkv.dtype != torch.float32 or qkv.stride(1) != 1 or qkv.shape[1] != (h + 2 * kvh) * d:

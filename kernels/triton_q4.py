@@ -1,21 +1,15 @@
-"""The q4 GEMM y = x @ W.T in Triton, on weights re-packed at load for the tensor cores, with
-a fixed split of K per weight shape.
+"""The q4 GEMM y = x @ W.T in Triton, on weights re-packed at load (kernels/q4_layout.py) for
+the tensor cores, with a fixed split of K per weight shape. kernels/triton_moe.py runs the same
+tile loop (`q4_rows`) and split-K steps for the experts.
 
-Storage (`Q4Linear`, made by `repack`): the GGUF 32-blocks of a row stay intact (byte j of a
-block holds element j in its low nibble and element j + 16 in its high one), but the blocks are
-stored block-major: qs [K/32, N, 16] uint8, and the scale and min of each block side by side:
-sm [K/32, N, 2] fp16. The bytes of one block for BN consecutive rows are then one contiguous
-BN*16-byte run, and one block of one row is exactly the K = 16 operand column of two MMAs
-(low nibbles × x[k0:k0+16], high nibbles × x[k0+16:k0+32]) whose scale is a per-column
-broadcast: no reshape, no gather, so Triton loads the raw bytes straight into the MMA operand
-layout (through shared memory, pipelined) and dequantizes there.
+The layout lets Triton load the raw bytes straight into the MMA operand layout (through shared
+memory, pipelined) and dequantize there: on the GPU, 4 bytes → 8 fp16 values by one PRMT, one
+shift, four LOP3 (the nibble ORed into the mantissa of 1024.0) and four half2 ops (inline PTX,
+`_nibbles_asm`); in the interpreter the same exact integers 0..15 by plain Triton (`_nibbles`).
+Either way the weight is then q * scale + min in fp16 by the same Triton line, so both paths
+give the same bits.
 
-Dequant: on the GPU, 4 bytes → 8 fp16 values by one PRMT, one shift, four LOP3 (the nibble
-ORed into the mantissa of 1024.0) and four half2 ops (inline PTX, `_nibbles_asm`); in the
-interpreter the same exact integers 0..15 by plain Triton (`_nibbles`). Either way the weight
-is then q * scale + min in fp16 by the same Triton line, so both paths give the same bits.
-
-Split-K: K is cut into S equal runs of whole k steps, S = `split_count(N, K, tile)`, a
+Split-K: K is cut into S equal runs of whole k steps, S = `q4_layout.split_count(N, K, tile)`, a
 function of the weight's shape and the tile only — never of the batch. Each program stores
 its fp32 partial; the last of a tile's S programs to arrive (a ticket counter, reset by that
 program) sums the S partials in split order 0..S-1 and runs the epilogue. Which program
@@ -24,123 +18,12 @@ sums changes from run to run, the order of the sum never does: bitwise batch-inv
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels.linear import QBLOCK, Linear
-
-MAX_PROGRAMS = 1024  # target CTAs for one weight at M = 1 (8 one-warp CTAs per SM on an H200)
-MAX_SPLIT = 16
-MAX_ROWS = 8192  # rows per launch, unsplit weights
-SPLIT_ROWS = 512  # rows per launch, split weights: bounds the partials (S x rows x N fp32) and
-# the ticket buffer (SPLIT_ROWS / BM row tiles); prefill chunks go several launches
-
-
-@dataclass(frozen=True)
-class Q4Tile:
-    """Tile of the q4 GEMM: BM rows × BN outputs, NB 32-blocks of K per loop step, one warp
-    per program by default (the loads go straight into the MMA operand layout; see sass_report)."""
-
-    bm: int = 16
-    bn: int = 64
-    nb: int = 2  # BK = 64: measured best or tied at M = 1, 8, 64 (GPU_NOTES v6)
-    warps: int = 1
-    stages: int = 3
-
-    @property
-    def bk(self) -> int:
-        return self.nb * QBLOCK
-
-    @classmethod
-    def parse(cls, spec: str) -> "Q4Tile":
-        """"16x64x64w1s3" → Q4Tile (BM x BN x BK, warps, pipeline stages)."""
-        try:
-            dims, _, rest = spec.partition("w")
-            warps, _, stages = rest.partition("s")
-            bm, bn, bk = (int(v) for v in dims.split("x"))
-            tile = cls(bm, bn, bk // QBLOCK, int(warps), int(stages or 3))
-        except ValueError as e:
-            raise ValueError(f"q4 tile {spec!r}: expected BMxBNxBKwW[sS], e.g. 16x64x64w1s3") from e
-        if bk % QBLOCK or bm < 16 or bn < 16 or bk < QBLOCK:
-            raise ValueError(f"q4 tile {spec!r}: BM, BN >= 16, BK a multiple of 32")
-        return tile
-
-    @property
-    def name(self) -> str:
-        return f"{self.bm}x{self.bn}x{self.bk}w{self.warps}s{self.stages}"
-
-
-LINEAR_TILE = Q4Tile()
-
-
-def split_count(n: int, k: int, tile: Q4Tile, programs: int = MAX_PROGRAMS) -> int:
-    """K splits for a weight [n, k]: the most (≤ MAX_SPLIT, dividing the k steps evenly) that
-    keep n-tiles × splits ≤ programs. From the weight's shape and the tile alone."""
-    steps = triton.cdiv(k, tile.bk)
-    n_tiles = triton.cdiv(n, tile.bn)
-    return max(s for s in range(1, MAX_SPLIT + 1) if steps % s == 0 and n_tiles * s <= max(programs, n_tiles))
-
-
-@dataclass(frozen=True, eq=False)
-class Q4Linear(Linear):
-    """A q4 Linear in GPU storage: qs [K/32, N, 16] uint8, sm [K/32, N, 2] fp16 (scale, min),
-    its K split count and the split programs' ticket counters (zero between launches)."""
-
-    sm: torch.Tensor | None = None
-    split: int = 1
-    tickets: torch.Tensor | None = field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        o, i = self.out_features, self.in_features
-        if self.fmt != "q4" or i % QBLOCK:
-            raise ValueError("Q4Linear holds q4 weights with in_features % 32 == 0")
-        if self.qs is None or tuple(self.qs.shape) != (i // QBLOCK, o, 16) or self.qs.dtype != torch.uint8:
-            raise ValueError(f"Q4Linear.qs: expected [{i // QBLOCK}, {o}, 16] uint8")
-        if self.sm is None or tuple(self.sm.shape) != (i // QBLOCK, o, 2) or self.sm.dtype != torch.float16:
-            raise ValueError(f"Q4Linear.sm: expected [{i // QBLOCK}, {o}, 2] float16")
-        if self.qs.numel() >= 2 ** 31:
-            raise ValueError("Q4Linear: 32-bit offsets inside one weight")
-
-    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """fp32 weight [out, in] (or only `rows`), exactly as the kernel sees it."""
-        qs, sm = (self.qs, self.sm) if rows is None else (self.qs[:, rows], self.sm[:, rows])
-        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).to(torch.float32)  # [nb, n, 32]
-        sm = sm.to(torch.float32)
-        w = q * sm[..., :1] + sm[..., 1:]  # [nb, n, 32]
-        return w.permute(1, 0, 2).reshape(w.shape[1], -1)
-
-    def to(self, device: torch.device | str) -> "Q4Linear":
-        return Q4Linear("q4", self.out_features, self.in_features, qs=self.qs.to(device),
-                        sm=self.sm.to(device), split=self.split,
-                        tickets=None if self.tickets is None else self.tickets.to(device))
-
-
-def repack(lin: Linear, tile: Q4Tile = LINEAR_TILE, programs: int = MAX_PROGRAMS) -> Q4Linear:
-    """q4 Linear (GGUF block order, fp32 scale/min) → Q4Linear. Scales and mins must fit fp16
-    (GGUF's own precision: exact for Q4_0/Q4_1 and GPTQ)."""
-    if isinstance(lin, Q4Linear):
-        return lin
-    o, i = lin.out_features, lin.in_features
-    qs, sm = repacked_arrays(lin)
-    split = split_count(o, i, tile, programs)
-    tickets = None
-    if split > 1:
-        tickets = torch.zeros(SPLIT_ROWS // tile.bm * triton.cdiv(o, tile.bn), dtype=torch.int32,
-                              device=qs.device)
-    return Q4Linear("q4", o, i, qs=qs, sm=sm, split=split, tickets=tickets)
-
-
-def repacked_arrays(lin: Linear) -> tuple[torch.Tensor, torch.Tensor]:
-    """(qs [K/32, N, 16] uint8, sm [K/32, N, 2] fp16) of a q4 Linear in GGUF block order."""
-    o, i = lin.out_features, lin.in_features
-    qs = lin.qs.view(o, i // QBLOCK, 16).transpose(0, 1).contiguous()
-    sm = torch.stack([lin.scale, lin.minv], dim=-1).transpose(0, 1).to(torch.float16).contiguous()
-    if not torch.isfinite(sm).all():
-        raise ValueError("q4 scale/min does not fit fp16 (|value| > 65504)")
-    return qs, sm
+from kernels import q4_layout
+from kernels.q4_layout import LINEAR_TILE, Q4Linear, Q4Tile
 
 
 # ---- device code ------------------------------------------------------------------------------
@@ -304,7 +187,7 @@ def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
     asm: the inline-PTX dequant (default: on CUDA); False runs the plain-Triton one (tests)."""
     asm = use_asm(x) if asm is None else asm
     n, big_n, k = x.shape[0], lin.out_features, lin.in_features
-    step = MAX_ROWS if lin.split == 1 else SPLIT_ROWS
+    step = q4_layout.MAX_ROWS if lin.split == 1 else q4_layout.SPLIT_ROWS
     if lin.split > 1 and (lin.tickets is None or lin.tickets.numel() < step // tile.bm
                           * triton.cdiv(big_n, tile.bn)):
         raise ValueError("q4 linear: tickets sized for another tile")

@@ -19,7 +19,8 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 pytest.importorskip("triton")
 
-from kernels import cpu, triton_attention, triton_int4, triton_moe, triton_norm, triton_q4  # noqa: E402
+from kernels import (cpu, moe_layout, q4_layout, triton_attention, triton_linear, triton_moe,  # noqa: E402
+                     triton_moe_route, triton_norm, triton_q4)
 from kernels.linear import Linear, quantize_q8  # noqa: E402
 from replica.models.synthetic import synthetic_model  # noqa: E402
 from tests.replica.schedules import StreamSpec, run_schedule, run_solo, small_core  # noqa: E402
@@ -42,14 +43,14 @@ def rand_q4(n: int, k: int, g: torch.Generator, gpu_format: bool = True) -> Line
     qs = torch.randint(0, 256, (n, k // 2), generator=g, device=DEV, dtype=torch.uint8)
     scale = (torch.rand(n, k // 32, generator=g, device=DEV) + 0.5).half().float() * k ** -0.5 / 4
     lin = Linear.q4(qs, scale, -8 * scale)
-    return triton_int4.to_gpu_format(lin) if gpu_format else lin
+    return triton_linear.to_gpu_format(lin) if gpu_format else lin
 
 
 def weight(fmt: str, n: int, k: int, g: torch.Generator) -> Linear:
     if fmt == "q4":
         return rand_q4(n, k, g)
     w = torch.randn(n, k, generator=g, device=DEV) * k ** -0.5
-    return Linear.dense(w) if fmt == "f32" else triton_int4.to_gpu_format(quantize_q8(w))
+    return Linear.dense(w) if fmt == "f32" else triton_linear.to_gpu_format(quantize_q8(w))
 
 
 # ---- kernels at real shapes -------------------------------------------------------------------
@@ -61,7 +62,7 @@ def test_linear_at_real_shapes(fmt, n, k):
     for m in (1, 7, 64, 200):
         x = torch.randn(m, k, generator=g, device=DEV)
         res = torch.randn(m, n, generator=g, device=DEV)
-        out = triton_int4.linear(lin, x, nan(m, n), residual=res)
+        out = triton_linear.linear(lin, x, nan(m, n), residual=res)
         assert rel_err(out, lin.reference(x) + res.double()) < TOL[fmt], m
 
 
@@ -85,9 +86,9 @@ def test_linear_rows_bitwise_alone_vs_among_64(fmt):
     g = torch.Generator(DEV).manual_seed(1)
     lin = weight(fmt, 5120, 2048, g)
     x = torch.randn(64, 2048, generator=g, device=DEV)
-    full = triton_int4.linear(lin, x, nan(64, 5120))
+    full = triton_linear.linear(lin, x, nan(64, 5120))
     for m in (1, 2, 17, 33, 63):
-        part = triton_int4.linear(lin, x[-m:].contiguous(), nan(m, 5120))
+        part = triton_linear.linear(lin, x[-m:].contiguous(), nan(m, 5120))
         assert torch.equal(part, full[-m:]), m
 
 
@@ -147,17 +148,17 @@ def real_moe():
     g = torch.Generator(DEV).manual_seed(4)
     router = rand_q4(128, 2048, g)
     experts = tuple((rand_q4(1536, 2048, g, False), rand_q4(2048, 768, g, False)) for _ in range(128))
-    return router, experts, triton_moe.StackedExperts.stack(experts)
+    return router, experts, moe_layout.StackedExperts.stack(experts)
 
 
 def _moe(x, router, stacked):
     t = x.shape[0]
     ids = torch.full((t, 8), -5, dtype=torch.int32, device=DEV)
     wts = nan(t, 8)
-    triton_moe.route(x, router, 8, True, ids, wts)
+    triton_moe_route.route(x, router, 8, True, ids, wts)
     inter, y = nan(t * 8, 768).half(), nan(t * 8, 2048)
     triton_moe.experts_forward(x, ids, stacked, inter, y)
-    return ids, wts, triton_moe.combine(y, wts, nan(t, 2048))
+    return ids, wts, triton_moe_route.combine(y, wts, nan(t, 2048))
 
 
 def test_moe_at_real_shapes_and_bitwise_alone_vs_among_64():
@@ -181,11 +182,11 @@ def test_long_prefills_split_into_launches_change_no_bits(monkeypatch):
     g = torch.Generator(DEV).manual_seed(6)
     x = torch.randn(100, 2048, generator=g, device=DEV)
     lin = rand_q4(5120, 2048, g)
-    whole_lin = triton_int4.linear(lin, x, nan(100, 5120))
+    whole_lin = triton_linear.linear(lin, x, nan(100, 5120))
     whole_moe = _moe(x, router, stacked)[2]
-    monkeypatch.setattr(triton_q4, "SPLIT_ROWS", 32)
+    monkeypatch.setattr(q4_layout, "SPLIT_ROWS", 32)
     monkeypatch.setattr(triton_moe, "CHUNK_TOKENS", 24)
-    assert torch.equal(triton_int4.linear(lin, x, nan(100, 5120)), whole_lin)
+    assert torch.equal(triton_linear.linear(lin, x, nan(100, 5120)), whole_lin)
     assert torch.equal(_moe(x, router, stacked)[2], whole_moe)
 
 

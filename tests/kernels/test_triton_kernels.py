@@ -22,7 +22,8 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 
 from kernels import cpu  # noqa: E402
-from kernels import triton_attention, triton_int4, triton_moe, triton_norm, triton_q4  # noqa: E402
+from kernels import (moe_layout, q4_layout, triton_attention, triton_linear, triton_moe,  # noqa: E402
+                     triton_moe_route, triton_norm)
 from kernels.linear import Linear, quantize_q4, quantize_q8  # noqa: E402
 
 FORMATS = {"f32": Linear.dense, "q4": quantize_q4, "q8": quantize_q8}
@@ -47,12 +48,12 @@ def gen(seed: int) -> torch.Generator:
 @pytest.mark.parametrize("n,k,m", [(48, 64, 1), (80, 160, 19)])
 def test_linear_matches_float64_reference(fmt, n, k, m):
     g = gen(n * k + m)
-    lin = triton_int4.to_gpu_format(FORMATS[fmt](torch.randn(n, k, generator=g)))
+    lin = triton_linear.to_gpu_format(FORMATS[fmt](torch.randn(n, k, generator=g)))
     x = torch.randn(m, k, generator=g)
     res = torch.randn(m, n, generator=g)
-    out = triton_int4.linear(lin, x, nan(m, n))
+    out = triton_linear.linear(lin, x, nan(m, n))
     assert rel_err(out, lin.reference(x)) < TOL[fmt]
-    out = triton_int4.linear(lin, x, nan(m, n), residual=res)
+    out = triton_linear.linear(lin, x, nan(m, n), residual=res)
     assert rel_err(out, lin.reference(x) + res.double()) < TOL[fmt]
 
 
@@ -61,12 +62,12 @@ def test_q4_split_k_matches_float64_and_leaves_tickets_at_zero(n, k, m):
     """The re-packed q4 GEMM with its shape's K split (3 and 16 here, the last split of (80, 160)
     a partial k step): within the q4 bound, NaN never passes, counters reset for the next call."""
     g = gen(n + k + m)
-    lin = triton_int4.to_gpu_format(quantize_q4(torch.randn(n, k, generator=g)))
+    lin = triton_linear.to_gpu_format(quantize_q4(torch.randn(n, k, generator=g)))
     assert lin.split == {64: 1, 160: 3, 1024: 16}[k]
     x = torch.randn(m, k, generator=g)
     res = torch.randn(m, n, generator=g)
     for _ in range(2):
-        out = triton_int4.linear(lin, x, nan(m, n), residual=res)
+        out = triton_linear.linear(lin, x, nan(m, n), residual=res)
         assert rel_err(out, lin.reference(x) + res.double()) < TOL["q4"]
         assert lin.tickets is None or not lin.tickets.any()
 
@@ -74,49 +75,49 @@ def test_q4_split_k_matches_float64_and_leaves_tickets_at_zero(n, k, m):
 def test_q4_repack_keeps_every_weight_and_the_split_ignores_the_batch():
     g = gen(9)
     base = quantize_q4(torch.randn(96, 256, generator=g))
-    lin = triton_int4.to_gpu_format(base)
+    lin = triton_linear.to_gpu_format(base)
     assert torch.equal(lin.dequantize(), base.dequantize())
     ids = torch.tensor([5, 0, 95])
     assert torch.equal(lin.rows(ids), base.rows(ids))
-    tile = triton_q4.LINEAR_TILE
-    assert triton_q4.split_count(96, 256, tile) == 4 and triton_q4.split_count(151936, 2048, tile) == 1
-    assert triton_q4.Q4Tile.parse(tile.name) == tile
+    tile = q4_layout.LINEAR_TILE
+    assert q4_layout.split_count(96, 256, tile) == 4 and q4_layout.split_count(151936, 2048, tile) == 1
+    assert q4_layout.Q4Tile.parse(tile.name) == tile
     for bad in ("16x64w1", "16x64x100w1", "8x64x128w1"):
         with pytest.raises(ValueError):
-            triton_q4.Q4Tile.parse(bad)
+            q4_layout.Q4Tile.parse(bad)
 
 
 def test_q4_row_is_bitwise_independent_of_its_batch_with_split_k(monkeypatch):
     g = gen(10)
-    lin = triton_int4.to_gpu_format(quantize_q4(torch.randn(72, 512, generator=g)))
+    lin = triton_linear.to_gpu_format(quantize_q4(torch.randn(72, 512, generator=g)))
     assert lin.split > 1
     row = torch.randn(1, 512, generator=g)
-    alone = triton_int4.linear(lin, row, nan(1, 72))
+    alone = triton_linear.linear(lin, row, nan(1, 72))
     for batch, pos in ((1, 1), (20, 17)):
         others = torch.randn(batch, 512, generator=g)
         x = torch.cat([others[:pos], row, others[pos:]])
-        assert torch.equal(triton_int4.linear(lin, x, nan(batch + 1, 72))[pos], alone[0])
-    monkeypatch.setattr(triton_q4, "SPLIT_ROWS", 16)  # long prefills go several launches
-    assert torch.equal(triton_int4.linear(lin, x, nan(batch + 1, 72))[pos], alone[0])
+        assert torch.equal(triton_linear.linear(lin, x, nan(batch + 1, 72))[pos], alone[0])
+    monkeypatch.setattr(q4_layout, "SPLIT_ROWS", 16)  # long prefills go several launches
+    assert torch.equal(triton_linear.linear(lin, x, nan(batch + 1, 72))[pos], alone[0])
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_linear_row_is_bitwise_independent_of_its_batch(fmt):
     g = gen(1)
-    lin = triton_int4.to_gpu_format(FORMATS[fmt](torch.randn(40, 128, generator=g)))
+    lin = triton_linear.to_gpu_format(FORMATS[fmt](torch.randn(40, 128, generator=g)))
     row = torch.randn(1, 128, generator=g)
-    alone = triton_int4.linear(lin, row, nan(1, 40))
+    alone = triton_linear.linear(lin, row, nan(1, 40))
     for batch, pos in ((1, 1), (5, 2), (20, 17)):
         others = torch.randn(batch, 128, generator=g)
         x = torch.cat([others[:pos], row, others[pos:]])
-        assert torch.equal(triton_int4.linear(lin, x, nan(batch + 1, 40))[pos], alone[0])
+        assert torch.equal(triton_linear.linear(lin, x, nan(batch + 1, 40))[pos], alone[0])
 
 
 def test_gpu_storage_is_exact_for_fp16_scales():
     """GGUF-like scales (fp16 values) survive the fp16 GPU storage bit for bit."""
     for quant in (quantize_q4, quantize_q8):
         lin = quant(torch.randn(32, 64, generator=gen(2)))  # scales/mins fp16-representable
-        assert torch.equal(triton_int4.to_gpu_format(lin).dequantize(), lin.dequantize())
+        assert torch.equal(triton_linear.to_gpu_format(lin).dequantize(), lin.dequantize())
 
 
 # ---- norms ----------------------------------------------------------------------------------------
@@ -203,20 +204,20 @@ def test_paged_attention_token_is_bitwise_independent_of_batch_and_table_width()
 # ---- MoE ------------------------------------------------------------------------------------------
 def _moe_setup(fmt, g, e=8, hidden=64, inter=32):
     mk = FORMATS[fmt]
-    router = triton_int4.to_gpu_format(mk(torch.randn(e, hidden, generator=g)))
+    router = triton_linear.to_gpu_format(mk(torch.randn(e, hidden, generator=g)))
     experts = tuple((mk(torch.randn(2 * inter, hidden, generator=g) / 8),
                      mk(torch.randn(hidden, inter, generator=g) / 6)) for _ in range(e))
-    return router, experts, triton_moe.StackedExperts.stack(experts)
+    return router, experts, moe_layout.StackedExperts.stack(experts)
 
 
 def _moe(x, router, stacked, top_k, residual=None, tile=None):
     t = x.shape[0]
     ids, wts = torch.full((t, top_k), -5, dtype=torch.int32), nan(t, top_k)
-    triton_moe.route(x, router, top_k, True, ids, wts)
-    inter = nan(t * top_k, stacked.inter).to(triton_moe.inter_dtype(stacked))
+    triton_moe_route.route(x, router, top_k, True, ids, wts)
+    inter = nan(t * top_k, stacked.inter).to(moe_layout.inter_dtype(stacked))
     y = nan(t * top_k, stacked.hidden)
     triton_moe.experts_forward(x, ids, stacked, inter, y, tile=tile)
-    return ids, wts, triton_moe.combine(y, wts, nan(t, stacked.hidden), residual)
+    return ids, wts, triton_moe_route.combine(y, wts, nan(t, stacked.hidden), residual)
 
 
 @pytest.mark.parametrize("fmt,hidden,inter", [("f32", 64, 32), ("q4", 64, 32), ("q4", 256, 256)])
@@ -262,7 +263,7 @@ def test_moe_token_is_bitwise_independent_of_its_batch(hidden, inter, monkeypatc
 
 # ---- the fused CUDA forward, interpreted, vs the CPU engine ----------------------------------------
 def test_fused_forward_greedy_tokens_equal_cpu_engine(monkeypatch):
-    from kernels import gpu, ops
+    from kernels import ops
     from replica.core import EngineCore
     from replica.config import EngineConfig
     from replica.models.synthetic import synthetic_model
@@ -282,9 +283,7 @@ def test_fused_forward_greedy_tokens_equal_cpu_engine(monkeypatch):
         return [t for ev in events for t in ev.token_ids]
 
     want = run(EngineCore(EngineConfig(**cfg), loaded=loaded))
-    monkeypatch.setattr(ops, "_backend", lambda t: gpu)  # CPU tensors → the Triton kernels
-    monkeypatch.setattr(ops, "prepare_linear", lambda lin, dev: gpu.prepare_linear(lin, dev))
-    monkeypatch.setattr(ops, "prepare_experts", lambda ex, dev: gpu.prepare_experts(ex, dev))
+    monkeypatch.setattr(ops, "_triton", lambda where: True)  # CPU tensors → the Triton kernels
     core = EngineCore(EngineConfig(**cfg), loaded=loaded)
     core.model.fused = True
     assert core.model.layers[0].moe is not None

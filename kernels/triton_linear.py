@@ -1,8 +1,9 @@
-"""Weight-only GEMM y = x @ W.T (+ residual) for our storage formats, in Triton: the entry
-point for every format, and the f32/q8 kernel (q4 has its own, kernels/triton_q4.py).
+"""Weight-only GEMM y = x @ W.T (+ residual) for our storage formats, in Triton: the CUDA
+linear op of kernels/ops.py for every format (`linear`, `prepare_linear`), and the f32/q8
+kernel (q4 has its own, kernels/triton_q4.py).
 
 Formats (kernels/linear.py): f32 dense; q4 = packed nibbles with a scale and a min per
-32-block (re-packed at load, see triton_q4); q8 = int8 with a scale per 32-block, its scales
+32-block (re-packed at load, see kernels/q4_layout.py); q8 = int8 with a scale per 32-block, its scales
 kept in fp16 on the GPU (GGUF's own precision: exact for Q8_0), see `GpuLinear`.
 
 Arithmetic: q8 weights are dequantized to fp16 in registers (one fp16 q * scale), activations
@@ -23,8 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import triton_q4
+from kernels import q4_layout, triton_q4
 from kernels.linear import QBLOCK, Linear
+from kernels.q4_layout import Q4Linear, Q4Tile
 
 FMT_F32, FMT_Q4, FMT_Q8 = 0, 1, 2
 FMT_CODES = {"f32": FMT_F32, "q4": FMT_Q4, "q8": FMT_Q8}
@@ -62,13 +64,18 @@ class GpuLinear(Linear):
                          self.scale.to(device))
 
 
+def prepare_linear(lin: Linear, device: str) -> Linear:
+    """The Linear on `device`, in the storage the kernels read (to_gpu_format)."""
+    return to_gpu_format(lin.to(device))
+
+
 def to_gpu_format(lin: Linear) -> Linear:
-    """The storage the kernels read: q4 → triton_q4.Q4Linear (re-packed, fp16 scale/min);
+    """The storage the kernels read: q4 → q4_layout.Q4Linear (re-packed, fp16 scale/min);
     q8 → GpuLinear (fp16 scales); f32 stays as it is."""
-    if lin.fmt == "f32" or isinstance(lin, (GpuLinear, triton_q4.Q4Linear)):
+    if lin.fmt == "f32" or isinstance(lin, (GpuLinear, Q4Linear)):
         return lin
     if lin.fmt == "q4":
-        return triton_q4.repack(lin)
+        return q4_layout.repack(lin)
     scale = lin.scale.to(torch.float16).contiguous()
     if not torch.isfinite(scale).all():
         raise ValueError("q8 scale does not fit fp16 (|value| > 65504)")
@@ -168,7 +175,7 @@ def weight_args(lin: Linear) -> tuple[torch.Tensor, torch.Tensor, int, int]:
             raise ValueError("f32 weight rows must be contiguous")
         return w, w, w.stride(0), 0
     if not isinstance(lin, GpuLinear):
-        raise TypeError("q8 weights must be in GPU storage (kernels.triton_int4.to_gpu_format)")
+        raise TypeError("q8 weights must be in GPU storage (kernels.triton_linear.to_gpu_format)")
     return lin.qs, lin.scale, lin.qs.stride(0), lin.scale.stride(0)
 
 
@@ -178,12 +185,19 @@ def check_x(x: torch.Tensor, k: int, name: str = "x") -> None:
                          f"{x.dtype} {tuple(x.shape)} strides {x.stride()}")
 
 
-def linear(lin: Linear, x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None = None,
-           tile: TileConfig | triton_q4.Q4Tile | None = None) -> torch.Tensor:
-    """out[n, out_features] = x @ W.T (+ residual), all float32; returns out. q4 weights go to
-    triton_q4 (tile: a Q4Tile), f32/q8 to this file's kernel (tile: a TileConfig)."""
+def linear(lin: Linear, x: torch.Tensor, out: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None,
+           tile: TileConfig | Q4Tile | None = None) -> torch.Tensor:
+    """x [n, K] f32 → out [n, N] f32 = x @ W.T (+ residual [n, N] f32), N, K = the weight's
+    out/in features; out is allocated when not given. Each row is computed alone
+    (batch-invariant). q4 weights go to triton_q4 (tile: a Q4Tile), f32/q8 to this file's
+    kernel (tile: a TileConfig)."""
+    if x.dim() == 2 and x.stride(-1) != 1:
+        x = x.contiguous()
     n, k = x.shape[0], lin.in_features
     check_x(x, k)
+    if out is None:
+        out = torch.empty(n, lin.out_features, dtype=torch.float32, device=x.device)
     if out.shape != (n, lin.out_features) or out.dtype != torch.float32 or out.stride(1) != 1:
         raise ValueError("out: expected float32 [n, out_features] with contiguous rows")
     if residual is not None and (residual.shape != out.shape or residual.dtype != torch.float32
@@ -192,9 +206,9 @@ def linear(lin: Linear, x: torch.Tensor, out: torch.Tensor, residual: torch.Tens
     if n == 0:
         return out
     if lin.fmt == "q4":
-        if not isinstance(lin, triton_q4.Q4Linear):
-            raise TypeError("q4 weights must be in GPU storage (kernels.triton_int4.to_gpu_format)")
-        return triton_q4.linear(lin, x, out, residual, tile or triton_q4.LINEAR_TILE)
+        if not isinstance(lin, Q4Linear):
+            raise TypeError("q4 weights must be in GPU storage (kernels.triton_linear.to_gpu_format)")
+        return triton_q4.linear(lin, x, out, residual, tile or q4_layout.LINEAR_TILE)
     tile = tile or LINEAR_TILE
     w, s, sw, ss = weight_args(lin)
     res = residual if residual is not None else out
