@@ -1,0 +1,160 @@
+"""CUDA graphs of decode-only steps, one per (batch bucket, block-table width bucket).
+
+The runner (replica/runner.py) replays them for steps where every stream decodes one token;
+other steps run eagerly. Padding rows of a bucket write no KV (slot -1) and read none (ctx 0),
+and every kernel computes a row from that row alone, so a stream's bits are the same in any
+bucket and in the eager path (tests/kernels/test_gpu.py checks it).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from replica.kv import KVCache
+from replica.models.transformer import ForwardBatch, Transformer
+from replica.scheduler import StepRecord
+from replica.step_inputs import BlockTables, prefill_range
+
+GRAPH_BATCHES = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
+MIN_GRAPH_BLOCKS = 16  # block-table width buckets: powers of two from here
+
+
+class DecodeGraphs:
+    """CUDA graphs of decode-only steps, captured on first use per (batch bucket, width bucket)."""
+
+    def __init__(self, model: Transformer, kv: KVCache, fast_prefill: bool = False,
+                 tables: BlockTables | None = None) -> None:
+        self.model = model
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.device = torch.device(model.device)
+        self.fast_prefill = fast_prefill  # then a prompt token past MIN_POSITION runs eagerly
+        self.tables = tables or BlockTables()
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+
+    def accepts(self, record: StepRecord) -> bool:
+        """Whether a graph runs this step: every chunk decodes one sampled token on the paged
+        path, and the step fits the largest batch bucket."""
+        return (len(record.chunks) <= GRAPH_BATCHES[-1]
+                and all(c.end - c.start == 1 and c.samples
+                        and prefill_range(c, self.fast_prefill) is None for c in record.chunks))
+
+    def key(self, record: StepRecord) -> tuple[int, int]:
+        return self.key_for(len(record.chunks), max(len(c.stream.block_table) for c in record.chunks))
+
+    @staticmethod
+    def key_for(streams: int, table_blocks: int = 1) -> tuple[int, int]:
+        """(batch bucket, table-width bucket) of a decode step."""
+        width = MIN_GRAPH_BLOCKS
+        while width < table_blocks:
+            width *= 2
+        return GRAPH_BATCHES[bisect.bisect_left(GRAPH_BATCHES, streams)], width
+
+    def warm(self, streams: int, table_blocks: int) -> None:
+        """Capture the graph a decode step of `streams` streams with tables of `table_blocks`
+        blocks will replay, if it is not yet captured (benchmarks: capture outside timing)."""
+        key = self.key_for(min(streams, GRAPH_BATCHES[-1]), table_blocks)
+        if key not in self._graphs:
+            self._graphs[key] = _Graph(self.model, self.kv, *key, self.device)
+
+    @property
+    def captured(self) -> set[tuple[int, int]]:
+        return set(self._graphs)
+
+    def run(self, record: StepRecord) -> tuple[torch.Tensor, torch.Tensor]:
+        """→ (logits [bucket, vocab] fp32, argmax [bucket] int64) on the device: the graph's
+        outputs, whose first len(record.chunks) rows are the step's."""
+        key = self.key(record)
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._graphs[key] = _Graph(self.model, self.kv, *key, self.device)
+        g.load(record, self.block_size, self.tables)
+        g.graph.replay()
+        return g.logits, g.argmax
+
+    def time_decode(self, streams: int, context: int, iters: int = 20) -> float:
+        """Median ms of the decode graph for `streams` streams each reading `context` keys, on
+        inputs made up for it (benchmarks): stream i reads its own run of blocks (the pool's
+        blocks in turn, wrapping when it is too small) and writes nothing (slot -1)."""
+        bs = self.block_size
+        per = -(-context // bs)
+        self.warm(streams, per)
+        key = self.key_for(min(streams, GRAPH_BATCHES[-1]), per)
+        g = self._graphs[key]
+        n = min(streams, g.batch)
+        ints, ctx = g.host_ints, g.host_ctx
+        ints.zero_()
+        ints[1, :n] = context - 1
+        ints[2] = -1
+        ctx.zero_()
+        ctx[:n] = context
+        blocks = torch.arange(n * per, dtype=torch.int32) % self.kv.num_blocks
+        ctx[g.batch:].view(g.batch, g.width)[:n, :per] = blocks.view(n, per)
+        g.ints.copy_(ints, non_blocking=True)
+        g.ctx.copy_(ctx, non_blocking=True)
+        return self.time_replay(key, iters)
+
+    def time_replay(self, key: tuple[int, int], iters: int = 20) -> float:
+        """Median ms of replaying the graph `key` on its current inputs (benchmarks)."""
+        g = self._graphs[key]
+        times = []
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            g.graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+
+class _Graph:
+    """Static inputs for `batch` rows and `width` table columns, and the captured forward."""
+
+    def __init__(self, model: Transformer, kv: KVCache, batch: int, width: int,
+                 device: torch.device) -> None:
+        i64 = dict(dtype=torch.int64, device=device)
+        i32 = dict(dtype=torch.int32, device=device)
+        # inputs in two tensors, so a replay's inputs cross to the device in two copies
+        self.ints = torch.zeros(3, batch, **i64)  # [3, B]: token_ids, positions, slots
+        self.ctx = torch.zeros(batch + batch * width, **i32)  # [B + B*W]: ctx_lens, then tables
+        self.host_ints = torch.zeros(3, batch, dtype=torch.int64, pin_memory=True)
+        self.host_ctx = torch.zeros(batch + batch * width, dtype=torch.int32, pin_memory=True)
+        self.batch, self.width = batch, width
+        self.fb = ForwardBatch(
+            token_ids=self.ints[0], positions=self.ints[1], slots=self.ints[2],
+            block_tables=self.ctx[batch:].view(batch, width), tok_row=torch.arange(batch, **i32),
+            ctx_lens=self.ctx[:batch], logit_rows=torch.arange(batch, **i64))
+        self.ints[2].fill_(-1)  # warm-up and capture on padding: no KV written or read
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            model.forward(self.fb, kv)  # compiles every kernel outside the capture
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits, _ = model.forward(self.fb, kv)  # [B, vocab] fp32
+            self.argmax = torch.argmax(self.logits, dim=-1)  # [B] int64: greedy picks stay on the GPU
+
+    def load(self, record: StepRecord, block_size: int, tables: BlockTables) -> None:
+        """Stage the step's n <= B decode tokens in rows [0, n) and padding after them."""
+        n, b, w = len(record.chunks), self.batch, self.width
+        toks, pos, slots = [], [], []
+        ints, ctx = self.host_ints, self.host_ctx
+        ctx.zero_()
+        rows = ctx[b:].view(b, w)
+        for i, c in enumerate(record.chunks):
+            s, p = c.stream, c.start
+            table = s.block_table
+            toks.extend(s.token_slice(p, p + 1))
+            pos.append(p)
+            slots.append(table[p // block_size] * block_size + p % block_size)
+            rows[i, : len(table)] = tables.get(s)
+        ints[:, n:] = 0
+        ints[2, n:] = -1
+        ints[:, :n] = torch.tensor([toks, pos, slots], dtype=torch.int64)
+        ctx[:n] = torch.tensor(pos, dtype=torch.int32) + 1
+        self.ints.copy_(ints, non_blocking=True)
+        self.ctx.copy_(ctx, non_blocking=True)
