@@ -1,8 +1,5 @@
-"""The OpenAI-compatible ingress: validation, session key, admission, and failover by replay.
-
-Failover: the ingress remembers the token ids it has streamed; if the replica dies, it resubmits
-the request with them as resume_token_ids to another replica, which re-prefills and continues.
-Decode is batch-invariant, so the client receives exactly the bytes of an uninterrupted run.
+"""The OpenAI-compatible ingress: auth, validation, admission, the session key, and the
+responses (JSON or SSE). It calls the replicas through failover by replay (federation/failover.py).
 """
 
 
@@ -12,7 +9,6 @@ import time
 from dataclasses import replace
 from typing import AsyncIterator
 
-import ray
 from ray import serve
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,23 +17,14 @@ from pydantic import ValidationError
 
 from federation import openai_api as api
 from federation.config import FederationConfig
+from federation.failover import Failover
 from federation.tenancy import RateLimits, Tenants, namespaced
-from replica.wire import EmbedResult, ErrorEvent, GenerateCall, TokenEvent
+from replica.wire import GenerateCall, TokenEvent
 from federation.metrics import IngressMetrics
 
 app = FastAPI(title="fedserve", docs_url=None, redoc_url=None)
 
-# a replica died or vanished under the request: retry elsewhere
-_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
-         ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError)
-
-
-class _ReplicaLost(Exception):
-    pass
-
-
 CAPACITY_REFRESH_S = 5.0
-_ENGINE_DEAD = "engine_dead"  # a replica whose engine loop stopped: retry elsewhere
 
 
 @app.exception_handler(api.APIError)
@@ -65,7 +52,8 @@ class Ingress:
         self.capacity = self._capacity(self.cfg.num_replicas)
         self._capacity_checked = time.monotonic()  # the replica count is re-read every few seconds
         self.metrics = IngressMetrics()
-        self.failovers, self.replayed = self.metrics.failovers, self.metrics.replayed
+        self.failover = Failover(replicas, self.cfg.max_failovers, self.cfg.retry_after_s,
+                                 self.metrics)
 
     # ---- routes -------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
@@ -96,7 +84,7 @@ class Ingress:
         except ValueError as e:
             raise api.APIError(400, str(e), param="input")
         self._admit()
-        out = await self._embed(texts)
+        out = await self.failover.embed(texts)
         data = [{"object": "embedding", "index": i,
                  "embedding": api.encode_embedding(v, body.encoding_format)}
                 for i, v in enumerate(out.vectors)]
@@ -198,60 +186,6 @@ class Ingress:
     def _session(self, request: Request, body) -> str:
         return request.headers.get("x-session-id") or body.session_id or body.session_key()
 
-    async def _events(self, call: GenerateCall) -> AsyncIterator[TokenEvent]:
-        """The request's events across failovers. Raises APIError on a request error."""
-        emitted: list[int] = []
-        dead: list[str] = []
-        for attempt in range(self.cfg.max_failovers + 1):
-            last = None
-            gen = self.replicas.options(stream=True).generate.remote(call.retry(attempt, emitted, dead))
-            try:
-                async for ev in gen:
-                    if isinstance(ev, ErrorEvent):
-                        if ev.code == _ENGINE_DEAD:  # that replica is lost
-                            last = ev.replica or last
-                            raise _ReplicaLost(ev.message)
-                        raise api.APIError.from_event(ev)
-                    last = ev.replica
-                    emitted += ev.token_ids
-                    yield ev
-                    if ev.finished:
-                        return
-                raise _ReplicaLost("the replica's stream ended early")
-            except (_ReplicaLost, *_LOST) as e:
-                if last is not None:
-                    dead.append(last)
-                await self._before_retry(attempt, e)
-                self.failovers.inc()
-                if emitted:  # a Ray counter refuses inc(0); a loss before the first token replays none
-                    self.replayed.inc(len(emitted))
-
-    async def _before_retry(self, attempt: int, e: BaseException) -> None:
-        """Back off before retry `attempt + 1` (exponential, capped: Serve needs a few seconds
-        to notice a lost node), or raise the clean 503 once the retries are spent."""
-        if attempt >= self.cfg.max_failovers:
-            raise api.APIError(503, f"no replica could finish the request after {attempt + 1} "
-                               f"attempts ({type(e).__name__})", type_="server_error",
-                               code="replicas_unavailable",
-                               headers={"Retry-After": str(self.cfg.retry_after_s)})
-        await asyncio.sleep(min(0.25 * 2 ** attempt, 4.0))
-
-    async def _embed(self, texts: list[str]) -> EmbedResult:
-        """Embeddings, retried on another replica when one is lost (nothing to replay)."""
-        for attempt in range(self.cfg.max_failovers + 1):
-            try:
-                out = await self.replicas.embed.remote(texts)
-            except _LOST as e:
-                await self._before_retry(attempt, e)
-                continue
-            if isinstance(out, ErrorEvent):
-                if out.code == _ENGINE_DEAD:
-                    await self._before_retry(attempt, _ReplicaLost(_ENGINE_DEAD))
-                    continue
-                raise api.APIError.from_event(out)
-            return out
-        raise AssertionError("unreachable: _before_retry raises on the last attempt")
-
     async def _run(self, request: Request, body, call: GenerateCall, chat: bool):
         self._admit()
         session = self._session(request, body)  # the client's key; behind us, the tenant's
@@ -259,7 +193,7 @@ class Ingress:
                        request_id=api.new_id("req"))
         rid = api.new_id("chatcmpl" if chat else "cmpl")
         model = self.cfg.name
-        events = self._events(call)
+        events = self.failover.events(call)
         self.active += 1
         try:
             first = await anext(events)  # errors before any token become plain HTTP errors
