@@ -21,7 +21,9 @@ def start(cfg: FederationConfig, host: str = "127.0.0.1", port: int = 8000,
     otherwise all bind the same address and port).
     metrics_export_port: where this node's Ray metrics agent serves the Prometheus scrape of
     every process on it (fedserve_* and ray_serve_* included); None lets Ray pick one."""
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # Ray on loopback, set (not read) for the processes ray.init starts, which inherit this
+    # environment; its workers get the same through runtime_env below
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import ray
     from ray import serve
 

@@ -1,6 +1,7 @@
 """Which package may import which (README, "Architecture"): federation → replica → kernels, never
 upward; loadtest and bench sit above the serving packages, cli above everything. Checked over
-every import statement, lazy ones inside functions included."""
+every import statement, lazy ones inside functions included. And which modules may read the
+environment (DESIGN.md, "Configuration": in one place)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,49 @@ def test_every_import_follows_the_layers():
 def test_the_rules_cover_every_package():
     assert set(MAY_IMPORT) == set(PACKAGES)
     assert all((ROOT / p / "__init__.py").exists() for p in PACKAGES)
+
+
+# The command line reads fedserve's configuration from the environment and passes it down.
+# The one exception: the C toolchain's conventions (CC, XDG_CACHE_HOME) where the CPU kernels
+# are compiled, lazily, in whichever process (a Ray replica, say) first needs them.
+READS_ENVIRONMENT = {"cli/main.py", "kernels/cpu.py"}
+_ENVIRONMENT = {"environ", "environb", "getenv", "getenvb"}
+
+
+def environment_reads(source: str) -> list[int]:
+    """Lines that read the process environment: os.getenv, or os.environ other than as the
+    target of an assignment (setting a variable for the processes one starts reads nothing)."""
+    tree = ast.parse(source)
+    targets = {id(n.value) for n in ast.walk(tree)
+               if isinstance(n, ast.Subscript) and isinstance(n.ctx, (ast.Store, ast.Del))}
+    lines = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr in _ENVIRONMENT
+                and isinstance(node.value, ast.Name) and node.value.id == "os"
+                and id(node) not in targets):
+            lines.append(node.lineno)
+        elif (isinstance(node, ast.ImportFrom) and node.module == "os"
+              and {a.name for a in node.names} & _ENVIRONMENT):
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_environment_reads_are_found():
+    assert environment_reads("import os\nx = os.environ.get('A')\ny = os.getenv('B')") == [2, 3]
+    assert environment_reads("import os\nos.environ.setdefault('A', '1')") == [2]
+    assert environment_reads("from os import environ") == [1]
+    assert environment_reads("import os\nos.environ['A'] = '0'") == []
+
+
+def test_only_the_command_line_reads_the_environment():
+    wrong, reading = [], set()
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            name = str(path.relative_to(ROOT))
+            lines = environment_reads(path.read_text())
+            if lines:
+                reading.add(name)
+            if lines and name not in READS_ENVIRONMENT:
+                wrong.append(f"{name} reads the environment (line {', '.join(map(str, lines))})")
+    assert not wrong, "\n".join(wrong)
+    assert reading == READS_ENVIRONMENT, "an allowed module no longer reads it: drop it from the list"
