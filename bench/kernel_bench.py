@@ -5,17 +5,21 @@ fp32 KV at 2K-32K contexts; the v5 kernels' numbers beside them. Prints tables a
 JSON. Not a test.
 
     python -m bench.kernel_bench [--json out.json] [--ms 1,8,64] [--tiles 16x64x128w1s3,...]
+        [--linear-variants 512,512:nopdl] [--moe-variants 128,128:nopdl,64]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+from dataclasses import dataclass
 
 import torch
 import triton
 
-from kernels import moe_layout, q4_layout, triton_attention, triton_linear, triton_moe, triton_moe_route, triton_q4
+from kernels import (moe_layout, q4_layout, triton_attention, triton_linear, triton_moe,
+                     triton_moe_route, triton_pdl, triton_q4)
 from kernels.linear import Linear
 
 DEV = "cuda"
@@ -79,7 +83,32 @@ def timed(fn, name: str) -> float:
         return float("nan")
 
 
-def bench_linear(copy_gbs: float, ms_list, tiles) -> list[dict]:
+@dataclass(frozen=True)
+class Variant:
+    """One launch configuration to time: "PROGRAMS[:nopdl]", e.g. "512:nopdl" — the split-K
+    program target (q4_layout.split_count; for the MoE, per expert) and plain launches instead
+    of programmatic dependent launch. (GPU_NOTES v7 also lists register caps and a MoE
+    down-weight prefetch, measured and removed.)"""
+
+    programs: int
+    pdl: bool = True
+
+    @classmethod
+    def parse(cls, spec: str) -> "Variant":
+        head, *flags = spec.split(":")
+        return cls(int(head), "nopdl" not in flags)
+
+    def apply(self) -> str:
+        """Set the launch switch for this variant; its label."""
+        triton_pdl.ENABLED = self.pdl
+        return "pdl" if self.pdl else "nopdl"
+
+
+def reset_switches() -> None:
+    Variant(0).apply()
+
+
+def bench_linear(copy_gbs: float, ms_list, tiles, variants) -> list[dict]:
     g = torch.Generator(DEV).manual_seed(0)
     shapes = {"qkv": (5120, 2048), "o": (2048, 4096), "lm_head": (151936, 2048)}
     rows = []
@@ -87,10 +116,11 @@ def bench_linear(copy_gbs: float, ms_list, tiles) -> list[dict]:
         base = [rand_q4(n, k, g)]
         copies = max(1, (256 << 20) // (n * k * 5 // 8))  # rotate weights so L2 (60 MB) cannot hold them
         base += [rand_q4(n, k, g) for _ in range(copies - 1)]
-        for tname, tile in tiles.items():
-            lins = [q4_layout.repack(b, tile) for b in base]
+        for (tname, tile), var in itertools.product(tiles.items(), variants):
+            lins = [q4_layout.repack(b, tile, var.programs) for b in base]
             nbytes = lins[0].qs.nbytes + lins[0].sm.nbytes
             state = {"i": 0}
+            variant = f"{tname} S={lins[0].split} {var.apply()}"
 
             def nxt():
                 state["i"] = (state["i"] + 1) % len(lins)
@@ -99,32 +129,38 @@ def bench_linear(copy_gbs: float, ms_list, tiles) -> list[dict]:
             for m in ms_list:
                 x = torch.randn(m, k, generator=g, device=DEV)
                 out = torch.empty(m, n, device=DEV)
-                ms = timed(lambda: triton_q4.linear(nxt(), x, out, tile=tile), tname)
+                ms = timed(lambda: triton_q4.linear(nxt(), x, out, tile=tile), variant)
                 gbs = nbytes / ms / 1e6
-                rows.append(dict(kernel="linear_q4", shape=name, m=m, variant=f"{tname} S={lins[0].split}",
+                rows.append(dict(kernel="linear_q4", shape=name, m=m, variant=variant,
                                  ms=ms, gbs=gbs, pct_copy=100 * gbs / copy_gbs,
                                  v5_gbs=V5_GBS.get(("linear_q4", name, m))))
+            print(format_rows(rows[-len(ms_list):], header=False), flush=True)
+            reset_switches()
             del lins
         del base
         torch.cuda.empty_cache()
     return rows
 
 
-def bench_moe(copy_gbs: float, ts, tiles) -> list[dict]:
+def bench_moe(copy_gbs: float, ts, tiles, variants) -> list[dict]:
     g = torch.Generator(DEV).manual_seed(1)
     router = triton_linear.to_gpu_format(rand_q4(128, 2048, g))
     experts = [tuple((rand_q4(1536, 2048, g), rand_q4(2048, 768, g)) for _ in range(128))
                for _ in range(2)]
     rows = []
-    for tname, tile in tiles.items():
-        layers = [moe_layout.StackedExperts.stack(e, tile) for e in experts]
-        rows += _bench_moe_tile(copy_gbs, ts, router, layers, g)
+    targets = sorted({v.programs for v in variants})  # one stacking per split-K target
+    for (tname, tile), programs in itertools.product(tiles.items(), targets):
+        layers = [moe_layout.StackedExperts.stack(e, tile, programs) for e in experts]
+        for var in (v for v in variants if v.programs == programs):
+            rows += _bench_moe_tile(copy_gbs, ts, router, layers, g, var.apply())
+            print(format_rows(rows[-2 * len(ts):], header=False), flush=True)
+            reset_switches()
         del layers
         torch.cuda.empty_cache()
     return rows
 
 
-def _bench_moe_tile(copy_gbs: float, ts, router, layers, g) -> list[dict]:
+def _bench_moe_tile(copy_gbs: float, ts, router, layers, g, mode: str) -> list[dict]:
     rows = []
     for t in ts:
         x = torch.randn(t, 2048, generator=g, device=DEV)
@@ -132,9 +168,6 @@ def _bench_moe_tile(copy_gbs: float, ts, router, layers, g) -> list[dict]:
         wts = torch.empty(t, 8, device=DEV)
         triton_moe_route.route(x, router, 8, True, ids, wts)
         touched = int(torch.unique(ids).numel())
-        inter = torch.empty(t * 8, 768, device=DEV, dtype=torch.float16)
-        y = torch.empty(t * 8, 2048, device=DEV)
-        out = torch.empty(t, 2048, device=DEV)
         router_bytes = router.qs.nbytes + router.sm.nbytes
         nbytes = touched * layers[0].expert_nbytes() + router_bytes
         state = {"i": 0}
@@ -144,18 +177,14 @@ def _bench_moe_tile(copy_gbs: float, ts, router, layers, g) -> list[dict]:
             return layers[state["i"]]
 
         ms = time_ms(lambda: triton_moe_route.route(x, router, 8, True, ids, wts))
-        rows.append(dict(kernel="moe_route", shape="128x2048", m=t, variant="q4", ms=ms,
+        rows.append(dict(kernel="moe_route", shape="128x2048", m=t, variant=f"q4 {mode}", ms=ms,
                          gbs=router_bytes / ms / 1e6, pct_copy=100 * router_bytes / ms / 1e6 / copy_gbs))
 
-        def full():
-            triton_moe_route.route(x, router, 8, True, ids, wts)
-            triton_moe.experts_forward(x, ids, lay(), inter, y)
-            triton_moe_route.combine(y, wts, out)
-        ms = timed(full, "moe")
+        ms = timed(lambda: triton_moe.moe(x, router, lay(), 8, True), "moe")
         gbs = nbytes / ms / 1e6
         st = layers[0]
         rows.append(dict(kernel="moe", shape=f"E128 k8 touched={touched}", m=t,
-                         variant=f"{st.tile.name} S={st.gu_split}/{st.down_split}",
+                         variant=f"{st.tile.name} S={st.gu_split}/{st.down_split} {mode}",
                          ms=ms, gbs=gbs, pct_copy=100 * gbs / copy_gbs,
                          v5_gbs=V5_GBS.get(("moe", "E128 k8", t))))
     return rows
@@ -189,9 +218,9 @@ def bench_attention(copy_gbs: float, dtypes=(torch.bfloat16, torch.float32),
     return rows
 
 
-def format_rows(rows: list[dict]) -> str:
+def format_rows(rows: list[dict], header: bool = True) -> str:
     lines = [f"{'kernel':<16} {'shape':<24} {'M':>4} {'variant':<22} {'ms':>8} {'GB/s':>7} "
-             f"{'%copy':>6} {'v5 GB/s':>8}"]
+             f"{'%copy':>6} {'v5 GB/s':>8}"] if header else []
     for r in rows:
         v5 = r.get("v5_gbs")
         lines.append(f"{r['kernel']:<16} {r['shape']:<24} {r['m']:>4} {r['variant']:<22} "
@@ -206,6 +235,10 @@ def main() -> None:
     ap.add_argument("--ms", default="1,8,32,64", help="batch sizes (rows / tokens)")
     ap.add_argument("--tiles", default=",".join(Q4_TILES), help="q4 tile specs to compare")
     ap.add_argument("--no-attention", action="store_true")
+    ap.add_argument("--linear-variants", default=str(q4_layout.MAX_PROGRAMS),
+                    help="q4 linear launch variants, PROGRAMS[:nopdl],... (see Variant)")
+    ap.add_argument("--moe-variants", default=str(moe_layout.EXPERT_PROGRAMS),
+                    help="MoE launch variants, PROGRAMS[:nopdl],...")
     args = ap.parse_args()
     ms_list = tuple(int(v) for v in args.ms.split(","))
     copy_gbs = copy_bandwidth()
@@ -213,9 +246,10 @@ def main() -> None:
     tiles = {t: q4_layout.Q4Tile.parse(t) for t in args.tiles.split(",")}
     rows = [] if args.no_attention else bench_attention(copy_gbs)
     print(format_rows(rows), flush=True)
-    rows_l = bench_linear(copy_gbs, ms_list, tiles)
+    variants = lambda spec: [Variant.parse(v) for v in spec.split(",")]  # noqa: E731
+    rows_l = bench_linear(copy_gbs, ms_list, tiles, variants(args.linear_variants))
     print(format_rows(rows_l), flush=True)
-    rows_m = bench_moe(copy_gbs, ms_list, tiles)
+    rows_m = bench_moe(copy_gbs, ms_list, tiles, variants(args.moe_variants))
     print(format_rows(rows_m), flush=True)
     rows += rows_l + rows_m
     if args.json:

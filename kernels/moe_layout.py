@@ -45,8 +45,8 @@ class StackedExperts:
     tile: Q4Tile | None = None  # q4: the tile the splits and tickets were counted for
 
     @classmethod
-    def stack(cls, experts: tuple[tuple[Linear, Linear], ...],
-              tile: Q4Tile = Q4_EXPERT_TILE) -> "StackedExperts":
+    def stack(cls, experts: tuple[tuple[Linear, Linear], ...], tile: Q4Tile = Q4_EXPERT_TILE,
+              programs: int = EXPERT_PROGRAMS) -> "StackedExperts":
         fmt = experts[0][0].fmt
         if any(x.fmt != fmt for pair in experts for x in pair):
             raise ValueError("experts must share one weight format")
@@ -68,8 +68,8 @@ class StackedExperts:
         if fmt != "q4":
             return cls(fmt, e, hidden, inter, gu, down)
         dev = gu[0].device
-        gs = split_count(2 * inter, hidden, tile, EXPERT_PROGRAMS)
-        ds = split_count(hidden, inter, tile, EXPERT_PROGRAMS)
+        gs = split_count(2 * inter, hidden, tile, programs)
+        ds = split_count(hidden, inter, tile, programs)
         tickets = lambda n: torch.zeros(e * _cdiv(n, tile.bn), dtype=torch.int32, device=dev)  # noqa: E731
         return cls(fmt, e, hidden, inter, gu, down, gs, ds, tickets(2 * inter), tickets(hidden),
                    tile)

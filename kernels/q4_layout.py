@@ -20,7 +20,7 @@ import torch
 
 from kernels.linear import QBLOCK, Linear
 
-MAX_PROGRAMS = 1024  # target CTAs for one weight at M = 1 (8 one-warp CTAs per SM on an H200)
+MAX_PROGRAMS = 512  # target CTAs for one weight at M = 1 (GPU_NOTES v7: qkv S = 4, o 16)
 MAX_SPLIT = 16
 MAX_ROWS = 8192  # rows per launch, unsplit weights
 SPLIT_ROWS = 512  # rows per launch, split weights: bounds the partials (S x rows x N fp32) and

@@ -23,6 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import triton_pdl
+from kernels.triton_pdl import pdl_wait
+
 SPLIT = 512  # keys per split (fixed: a property of the kernel, not of the batch)
 BLOCK_N = 32  # keys per inner tile (fp32 K/V); SPLIT % BLOCK_N == 0
 BLOCK_N_BF16 = 64  # keys per inner tile (bf16 K/V: the same bytes per tile as fp32's 32)
@@ -66,7 +69,9 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, row_ptr, ctx_ptr, out_ptr, p
                        stride_bt, max_splits, scale,
                        H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, SPLIT: tl.constexpr,
-                       BLOCK_N: tl.constexpr, PREC: tl.constexpr, MMA: tl.constexpr):
+                       BLOCK_N: tl.constexpr, PREC: tl.constexpr, MMA: tl.constexpr,
+                       PDL: tl.constexpr):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -117,8 +122,10 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, row_ptr, ctx_ptr, out_ptr, p
 
 @triton.jit(do_not_specialize=["max_splits"])
 def _attn_merge_kernel(ctx_ptr, out_ptr, pacc_ptr, pml_ptr, max_splits,
-                       H: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr):
+                       H: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
+                       PDL: tl.constexpr):
     """Program (token, head): combine the token's splits in increasing split order."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     n_splits = tl.cdiv(tl.load(ctx_ptr + t), SPLIT)
@@ -182,7 +189,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q, k_cache, v_cache, block_tables, tok_row, ctx_lens, out, pacc, pml,
         block_tables.stride(0), max_splits, scale, H=h, KVH=kvh, D=d, BS=bs, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), SPLIT=split, BLOCK_N=block_n,
-        PREC=PRECISION, MMA=q.device.type == "cuda", num_warps=8)
+        PREC=PRECISION, MMA=q.device.type == "cuda", num_warps=8, **triton_pdl.launch(q))
     if max_splits > 1:
-        _attn_merge_kernel[(t, h)](ctx_lens, out, pacc, pml, max_splits, H=h, D=d, SPLIT=split)
+        _attn_merge_kernel[(t, h)](ctx_lens, out, pacc, pml, max_splits, H=h, D=d, SPLIT=split,
+                                   **triton_pdl.launch(q))
     return out

@@ -24,9 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import q4_layout, triton_q4
+from kernels import q4_layout, triton_pdl, triton_q4
 from kernels.linear import QBLOCK, Linear
 from kernels.q4_layout import Q4Linear, Q4Tile
+from kernels.triton_pdl import pdl_wait
 
 FMT_F32, FMT_Q4, FMT_Q8 = 0, 1, 2
 FMT_CODES = {"f32": FMT_F32, "q4": FMT_Q4, "q8": FMT_Q8}
@@ -154,7 +155,9 @@ def rows_times_w(x_ptr, x_rows, row_mask, stride_x, w_ptr, s_ptr, n0, n_mask, K,
 @triton.jit(do_not_specialize=["M", "stride_x", "stride_res", "stride_y"])
 def _linear_kernel(x_ptr, w_ptr, s_ptr, res_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_s,
                    stride_res, stride_y, FMT: tl.constexpr, HAS_RES: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   PDL: tl.constexpr):
+    pdl_wait(PDL)
     pid_m, pid_n, offs_m, offs_n, m_mask, n_mask = triton_q4.output_tile(M, N, BM, BN)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     acc = rows_times_w(x_ptr, offs_m, m_mask, stride_x, w_ptr, s_ptr, pid_n * BN, n_mask, K,
@@ -216,5 +219,5 @@ def linear(lin: Linear, x: torch.Tensor, out: torch.Tensor | None = None,
     _linear_kernel[grid](x, w, s, res, out, n, lin.out_features, k, x.stride(0), sw, ss,
                          res.stride(0), out.stride(0), FMT=FMT_CODES[lin.fmt],
                          HAS_RES=residual is not None, BM=tile.bm, BN=tile.bn, BK=tile.bk,
-                         num_warps=tile.warps, num_stages=tile.stages)
+                         num_warps=tile.warps, num_stages=tile.stages, **triton_pdl.launch(x))
     return out

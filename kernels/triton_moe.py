@@ -21,10 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import triton_moe_route, triton_q4
+from kernels import triton_moe_route, triton_pdl, triton_q4
 from kernels.linear import Linear
 from kernels.moe_layout import StackedExperts, inter_dtype
 from kernels.triton_linear import FMT_CODES, TileConfig, check_x, rows_times_w
+from kernels.triton_pdl import pdl_wait
 from kernels.triton_q4 import q4_rows, split_load_sum, split_range, split_release, split_store, split_ticket
 
 EXPERT_TILE = TileConfig(bm=16, bn=32, bk=128, warps=4, stages=2)  # f32/q8 experts
@@ -75,10 +76,12 @@ def _expert_rows(x_ptr, rows, valid, stride_x, w_e, s_e, n0, n_mask, N, K, k_lo,
 def _moe_gate_up_kernel(x_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, inter_ptr, ws_ptr, tickets_ptr,
                         T, TK, I, K, stride_x, stride_we, stride_w, stride_se, stride_s,
                         stride_inter, FMT: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
-                        BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr, ASM: tl.constexpr):
+                        BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr, ASM: tl.constexpr,
+                        PDL: tl.constexpr):
     """inter[a, j] = silu(x[t] . Wg[e, j]) * (x[t] . Wu[e, j]) for the slot's assignments a
     (t = a // k); the tile's BN interleaved gate/up rows give BN // 2 outputs j. With S > 1
     K splits, partials go through ws [S, T*k, 2I] and the last split program finishes."""
+    pdl_wait(PDL)
     expert, count = _slot(meta_ptr)
     if count == 0:
         return
@@ -120,8 +123,10 @@ def _moe_gate_up_kernel(x_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, inter_ptr, ws_
 def _moe_down_kernel(inter_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, tickets_ptr, T, TK,
                      N, K, stride_inter, stride_we, stride_w, stride_se, stride_s, stride_y,
                      FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     S: tl.constexpr, ASM: tl.constexpr):
+                     S: tl.constexpr, ASM: tl.constexpr,
+                     PDL: tl.constexpr):
     """y[a, n] = inter[a] . Wd[e, n] for the slot's assignments a (splits as in gate_up)."""
+    pdl_wait(PDL)
     expert, count = _slot(meta_ptr)
     if count == 0:
         return
@@ -222,7 +227,7 @@ def _experts_pass(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
         return w.stride(0), w.stride(1), s.stride(0), s.stride(1) if s.dim() == 3 else 0
 
     launch = dict(BM=tile.bm, BN=tile.bn, BK=tile.bk, ASM=asm, num_warps=tile.warps,
-                  num_stages=tile.stages)
+                  num_stages=tile.stages, **triton_pdl.launch(x))
     w, s = experts.gu
     ws, tickets = scratch(experts.gu_split, 2 * experts.inter, experts.gu_tickets)
     _moe_gate_up_kernel[(slots, triton.cdiv(2 * experts.inter, tile.bn), experts.gu_split)](

@@ -16,8 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import triton_pdl
 from kernels.linear import Linear
 from kernels.triton_linear import TileConfig, linear
+from kernels.triton_pdl import pdl_wait
 
 ROUTER_TILE = TileConfig(bm=16, bn=16, bk=256, warps=4, stages=2)  # f32/q8 routers: many programs
 SCAN = 64  # assignments examined per step when grouping (fixed)
@@ -26,9 +28,11 @@ SCAN = 64  # assignments examined per step when grouping (fixed)
 # ---- device code ------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["T"])
 def _topk_kernel(logits_ptr, ids_ptr, wts_ptr, T, E, stride_l, TOPK: tl.constexpr,
-                 NORM: tl.constexpr, BM: tl.constexpr, E_PAD: tl.constexpr):
+                 NORM: tl.constexpr, BM: tl.constexpr, E_PAD: tl.constexpr,
+                 PDL: tl.constexpr):
     """Per row: softmax over E logits, the top-k in descending order (ties to the lower id),
     renormalized over the k when NORM (the sum in rank order)."""
+    pdl_wait(PDL)
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     m_mask = offs_m < T
     offs_e = tl.arange(0, E_PAD)
@@ -65,10 +69,12 @@ def _topk_kernel(logits_ptr, ids_ptr, wts_ptr, T, E, stride_l, TOPK: tl.constexp
 
 @triton.jit(do_not_specialize=["TK", "T"])
 def _moe_align_kernel(ids_ptr, meta_ptr, rows_ptr, TK, T, TOPK: tl.constexpr,
-                      E_PAD: tl.constexpr, SCAN: tl.constexpr):
+                      E_PAD: tl.constexpr, SCAN: tl.constexpr,
+                      PDL: tl.constexpr):
     """Program e: if expert e is routed to, it is slot r = (number of active experts below e):
     meta[1 + 2r] = e, meta[2 + 2r] = its assignment count, rows[r, :count] = its assignments in
     increasing order; the last active expert writes meta[0] = number of active experts."""
+    pdl_wait(PDL)
     e = tl.program_id(0)
     ev = tl.arange(0, E_PAD)
     counts = tl.zeros((E_PAD,), tl.int32)
@@ -96,8 +102,10 @@ def _moe_align_kernel(ids_ptr, meta_ptr, rows_ptr, TK, T, TOPK: tl.constexpr,
 
 @triton.jit(do_not_specialize=["stride_y", "stride_res", "stride_out"])
 def _moe_combine_kernel(y_ptr, wts_ptr, res_ptr, out_ptr, N, stride_y, stride_res, stride_out,
-                        TOPK: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                        TOPK: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
     """out[t] = (res[t] +) sum_r w[t, r] * y[t*k + r], the sum in rank order."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = n < N
@@ -131,7 +139,8 @@ def route(x: torch.Tensor, router: Linear, top_k: int, norm_topk_prob: bool,
     bm = 4
     _topk_kernel[(triton.cdiv(t, bm),)](logits, ids, wts, t, e, logits.stride(0), TOPK=top_k,
                                         NORM=norm_topk_prob, BM=bm,
-                                        E_PAD=max(16, triton.next_power_of_2(e)), num_warps=2)
+                                        E_PAD=max(16, triton.next_power_of_2(e)), num_warps=2,
+                                        **triton_pdl.launch(x))
 
 
 def align(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,7 +154,7 @@ def align(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tens
     arows = torch.empty(slots, t, dtype=torch.int32, device=ids.device)  # an expert: <= 1 per token
     _moe_align_kernel[(num_experts,)](
         ids, meta, arows, tk, t, TOPK=top_k, E_PAD=max(16, triton.next_power_of_2(num_experts)),
-        SCAN=SCAN, num_warps=4)
+        SCAN=SCAN, num_warps=4, **triton_pdl.launch(ids))
     return meta, arows
 
 
@@ -164,5 +173,5 @@ def combine(y: torch.Tensor, wts: torch.Tensor, out: torch.Tensor,
         block = 1024
         _moe_combine_kernel[(t, triton.cdiv(n, block))](
             y, wts, res, out, n, y.stride(0), res.stride(0), out.stride(0), TOPK=top_k,
-            HAS_RES=residual is not None, BLOCK=block)
+            HAS_RES=residual is not None, BLOCK=block, **triton_pdl.launch(y))
     return out

@@ -11,11 +11,16 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import triton_pdl
+from kernels.triton_pdl import pdl_wait
+
 SOFTMAX_CHUNK = 4096  # elements per step of the chunked softmax (fixed)
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, K, stride_x, stride_y, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, K, stride_x, stride_y, eps, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     k = tl.arange(0, BLOCK)
     mask = k < K
@@ -43,12 +48,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, k, rows.stride(0), k, eps,
                                            BLOCK=triton.next_power_of_2(k),
-                                           num_warps=4 if k <= 4096 else 8)
+                                           num_warps=4 if k <= 4096 else 8, **triton_pdl.launch(x))
     return out
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, K, stride_g, stride_u, stride_y, BLOCK: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, K, stride_g, stride_u, stride_y, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = k < K
@@ -69,13 +76,16 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = No
     if n:
         block = 1024
         _silu_mul_kernel[(n, triton.cdiv(k, block))](gate, up, out, k, gate.stride(0), up.stride(0),
-                                                     out.stride(0), BLOCK=block)
+                                                     out.stride(0), BLOCK=block,
+                                                     **triton_pdl.launch(gate))
     return out
 
 
 @triton.jit
-def _softmax_kernel(x_ptr, y_ptr, K, stride_x, stride_y, CHUNK: tl.constexpr):
+def _softmax_kernel(x_ptr, y_ptr, K, stride_x, stride_y, CHUNK: tl.constexpr,
+                    PDL: tl.constexpr):
     """Two passes over fixed chunks in increasing order: max and sum, then normalize."""
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, CHUNK)
     mx = tl.full((CHUNK,), float("-inf"), tl.float32)
@@ -103,7 +113,8 @@ def softmax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         raise ValueError("softmax: x [n, K] float32 with contiguous rows")
     if n:
         chunk = min(SOFTMAX_CHUNK, triton.next_power_of_2(k))
-        _softmax_kernel[(n,)](x, out, k, x.stride(0), out.stride(0), CHUNK=chunk)
+        _softmax_kernel[(n,)](x, out, k, x.stride(0), out.stride(0), CHUNK=chunk,
+                              **triton_pdl.launch(x))
     return out
 
 
@@ -111,9 +122,11 @@ def softmax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
 def _qkv_rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, slot_ptr,
                            q_ptr, kc_ptr, vc_ptr, stride_qkv, stride_cs, eps,
                            H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
-                           HAS_NORM: tl.constexpr):
+                           HAS_NORM: tl.constexpr,
+                           PDL: tl.constexpr):
     """Program (token, head): heads < H are query heads (→ q), the rest key heads, whose
     value head is copied alongside. Norm over D, then rotate-half RoPE at the token's position."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     hh = tl.program_id(1)
     half = tl.arange(0, D // 2)
@@ -187,7 +200,8 @@ def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
         kn = k_norm if k_norm is not None else cos
         _qkv_rope_store_kernel[(t, h + kvh)](
             qkv, positions, cos, sin, qn, kn, slots, q_out, k_cache, v_cache, qkv.stride(0),
-            cos.stride(0), eps, H=h, KVH=kvh, D=d, HAS_NORM=q_norm is not None, num_warps=1)
+            cos.stride(0), eps, H=h, KVH=kvh, D=d, HAS_NORM=q_norm is not None, num_warps=1,
+            **triton_pdl.launch(qkv))
     return q_out
 
 

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from kernels import (cpu, moe_layout, q4_layout, triton_attention, triton_linear, triton_moe,  # noqa: E402
-                     triton_moe_route, triton_norm, triton_q4)
+                     triton_moe_route, triton_norm, triton_pdl, triton_q4)
 from kernels.linear import Linear, quantize_q8  # noqa: E402
 from replica.models.synthetic import synthetic_model  # noqa: E402
 from tests.replica.schedules import StreamSpec, run_schedule, run_solo, small_core  # noqa: E402
@@ -188,6 +188,37 @@ def test_long_prefills_split_into_launches_change_no_bits(monkeypatch):
     monkeypatch.setattr(triton_moe, "CHUNK_TOKENS", 24)
     assert torch.equal(triton_linear.linear(lin, x, nan(100, 5120)), whole_lin)
     assert torch.equal(_moe(x, router, stacked)[2], whole_moe)
+
+
+def test_pdl_launches_change_no_bits_in_a_graph(monkeypatch):
+    """Programmatic dependent launch (each kernel waits on the previous one, weights prefetched
+    into L2 before the wait) changes no bit: a layer's chain of kernels captured in a CUDA
+    graph, against plain eager launches."""
+    router, experts, stacked = real_moe()
+    g = torch.Generator(DEV).manual_seed(8)
+    x = torch.randn(64, 2048, generator=g, device=DEV)
+    w = torch.randn(2048, generator=g, device=DEV)
+    qkv, o = rand_q4(5120, 2048, g), rand_q4(2048, 4096, g)
+
+    def chain(x):  # norm → linear (split 8) → linear (split 16) with residual → MoE
+        h = triton_linear.linear(qkv, triton_norm.rms_norm(x, w, 1e-6))
+        h = triton_linear.linear(o, h[:, :4096].contiguous(), residual=x)  # [T, 2048]
+        return triton_moe.moe(triton_norm.rms_norm(h, w, 1e-6), router, stacked, 8, True, h)
+
+    monkeypatch.setattr(triton_pdl, "ENABLED", False)
+    plain = {m: chain(x[:m].contiguous()) for m in (1, 64)}
+    monkeypatch.setattr(triton_pdl, "ENABLED", True)
+    for m in (1, 64):
+        xs = x[:m].contiguous()
+        chain(xs)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(xs)
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, plain[m]), m
+    assert not stacked.gu_tickets.any() and not stacked.down_tickets.any()
 
 
 # ---- the engine on CUDA -------------------------------------------------------------------------

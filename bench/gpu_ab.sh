@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One device call comparing kernel variants: the kernels' GPU tests, the kernel benchmark over
+# launch variants (bench/kernel_bench.py: split-K program targets, programmatic dependent launch
+# on/off), the engine's bitwise tests, then the engine benchmark once per mode, each in its own
+# process.
+# Usage (on the GPU machine, repo root):   OUT=/some/dir bash bench/gpu_ab.sh
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/fedserve-gpu}
+mkdir -p "$OUT"
+stamp() { echo "=== $(date +%T) $*"; }
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+
+if [ -n "${KERNEL_TESTS-1}" ]; then
+  stamp "kernel tests"
+  timeout "${T_TESTS:-200}" python -m pytest -q -x tests/kernels/test_gpu.py \
+    -k "not engine and not stream_alone" 2>&1 | tail -15
+fi
+
+if [ -n "${BENCH-1}" ]; then
+  stamp "kernel benchmark"
+  timeout "${T_BENCH:-200}" python -m bench.kernel_bench --ms "${BENCH_MS:-1,8,64}" --no-attention \
+    --linear-variants "${LINEAR_VARIANTS:-512,512:nopdl}" \
+    --moe-variants "${MOE_VARIANTS:-128,128:nopdl}" \
+    --tiles "${TILES:-16x64x64w1s3}" --json "$OUT/kernels.json" 2>&1 | grep -v Warning
+fi
+
+if [ -n "${ENGINE_TESTS-1}" ]; then
+  stamp "engine: a stream alone vs among 1..64 others, bitwise; CUDA engine tests"
+  timeout "${T_ENGINE_TESTS:-300}" python -m pytest -q tests/kernels/test_gpu.py tests/replica/test_cuda.py \
+    -k "engine or stream_alone or cuda" 2>&1 | tail -15
+fi
+
+for mode in ${ENGINE_MODES-pdl nopdl}; do  # nopdl: plain launches
+  stamp "engine benchmark, $mode"
+  timeout "${T_ENGINE:-200}" python -c "
+import sys
+from kernels import triton_pdl
+triton_pdl.ENABLED = 'nopdl' not in '$mode'
+from cli.main import main
+sys.exit(main(['bench', 'engine', '--model', 'synthetic:qwen3-30b-a3b-int4', '--device', 'cuda',
+               '--context', '${CONTEXT:-128,2048}', '--streams', '${STREAMS:-1,64}',
+               '--max-tokens', '64', '--json', '$OUT/engine_$mode.json']))
+" 2>&1 | grep -v Warning | tail -12
+done
+stamp done
