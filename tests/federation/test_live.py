@@ -71,14 +71,14 @@ def test_headers_name_session_and_replica(fed):
 
 
 def test_sessions_stick_spread_and_reuse_kv(fed):
-    """20 sessions × 4 turns, concurrently: each session on one replica, both replicas used."""
+    """12 sessions × 3 turns, concurrently: each session on one replica, both replicas used."""
     url = fed[0]
-    where: dict[int, set[str]] = {i: set() for i in range(20)}
+    where: dict[int, set[str]] = {i: set() for i in range(12)}
     cached: list[int] = []
 
     async def session(i: int, c: httpx.AsyncClient):
         messages = [{"role": "system", "content": f"You are assistant number {i}."}]
-        for turn in range(4):
+        for turn in range(3):
             messages.append({"role": "user", "content": f"Turn {turn}: tell me a fact about {i}."})
             r = await c.post(f"{url}/v1/chat/completions", timeout=300,
                              json={"model": MODEL, "messages": messages, "max_tokens": 6, "temperature": 0})
@@ -91,25 +91,25 @@ def test_sessions_stick_spread_and_reuse_kv(fed):
 
     async def main():
         async with httpx.AsyncClient() as c:
-            await asyncio.gather(*(session(i, c) for i in range(20)))
+            await asyncio.gather(*(session(i, c) for i in range(12)))
 
     asyncio.run(main())
     assert all(len(r) == 1 for r in where.values()), where
     share = Counter(next(iter(r)) for r in where.values())
-    assert len(share) == 2 and min(share.values()) >= 5, share
+    assert len(share) == 2 and min(share.values()) >= 3, share
     assert sum(c > 0 for c in cached) == len(cached), cached  # every later turn reused KV
 
 
 def test_concurrent_streams_equal_sequential(fed):
     url = fed[0]
-    convs = [[{"role": "user", "content": f"Write a line about the number {i}."}] for i in range(16)]
+    convs = [[{"role": "user", "content": f"Write a line about the number {i}."}] for i in range(8)]
     sequential = [stream_text(url, m)[0] for m in convs]
-    results: list[str | None] = [None] * 16
+    results: list[str | None] = [None] * 8
 
     def run(i):
         results[i] = stream_text(url, convs[i])[0]
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
     for t in threads:

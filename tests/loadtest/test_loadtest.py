@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def fed_url():
-    with federation(max_running_streams=8, max_queued_requests=32) as (url, _):
+    with federation(max_running_streams=8, max_queued_requests=8) as (url, _):
         yield url
 
 
@@ -52,13 +52,13 @@ def test_matrix_survives_and_matches_sequential(fed_url, tmp_path):
 
 
 def test_corruption_check_is_clean_on_fedserve(fed_url, tmp_path):
-    out = fedserve("corruption", "--url", fed_url, "--sessions", "8", "--turns", "3",
+    out = fedserve("corruption", "--url", fed_url, "--sessions", "4", "--turns", "3",
                    "--start-tokens", "64", "--end-tokens", "192", "--max-tokens", "8",
                    "--ignore-eos", "--out", str(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "| verdict | CLEAN |" in out.stdout
     data = load_report(tmp_path, "corruption")
-    assert data["requests"] == data["verified"] == 24 and data["corrupted"] == 0
+    assert data["requests"] == data["verified"] == 12 and data["corrupted"] == 0
     assert data["corruption_rate"] == 0.0 and data["timeouts"] == 0
     lo, hi = data["prompt_tokens_range"]
     assert lo < 150 < 200 < hi, "contexts grow every turn"
@@ -68,7 +68,7 @@ def test_corruption_check_is_clean_on_fedserve(fed_url, tmp_path):
 
 def test_corruption_check_catches_one_altered_token(fed_url, tmp_path):
     with corrupting_proxy(fed_url, corrupt_nth=3) as proxy:
-        out = fedserve("corruption", "--url", proxy.url, "--sessions", "4", "--turns", "2",
+        out = fedserve("corruption", "--url", proxy.url, "--sessions", "2", "--turns", "2",
                        "--start-tokens", "32", "--end-tokens", "64", "--max-tokens", "6",
                        "--ignore-eos", "--out", str(tmp_path))
     assert proxy.corrupted == 1
@@ -94,14 +94,14 @@ def test_multiturn_reports_ttft_reuse_and_throughput(fed_url, tmp_path):
     # one federation in the test: both columns point at it (the sticky one); the side-by-side
     # rendering and ratios are what is checked here
     out = fedserve("multiturn", "--policy", "both", "--sticky-url", fed_url, "--round-robin-url",
-                   fed_url, "--conversations", "4", "--concurrency", "4", "--turns", "3",
+                   fed_url, "--conversations", "3", "--concurrency", "3", "--turns", "3",
                    "--system-tokens", "48", "--prefix-tokens", "48", "--turn-tokens", "24",
                    "--max-tokens", "6", "--out", str(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "sticky / round_robin" in out.stdout
     data = load_report(tmp_path, "multiturn")
     for r in data["results"]:
-        assert r["completed"] == r["requests"] == 12 and r["throughput_tok_s"] > 0
+        assert r["completed"] == r["requests"] == 9 and r["throughput_tok_s"] > 0
         assert [p["turn"] for p in r["per_turn"]] == [1, 2, 3]
         assert r["per_turn"][-1]["reuse"] > 0.3, "later turns reuse the session's KV"
         assert r["replicas_per_conversation"] == 1.0
@@ -109,7 +109,7 @@ def test_multiturn_reports_ttft_reuse_and_throughput(fed_url, tmp_path):
 
 
 def test_capstone_agents_match_sequential_and_email_is_denied(fed_url, tmp_path):
-    out = fedserve("capstone", "--url", fed_url, "--tasks", "2", "--max-tokens", "8",
+    out = fedserve("capstone", "--url", fed_url, "--tasks", "1", "--max-tokens", "8",
                    "--out", str(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "verdict: **PASS**" in out.stdout
@@ -117,7 +117,7 @@ def test_capstone_agents_match_sequential_and_email_is_denied(fed_url, tmp_path)
     assert data["survived"] and data["transcripts_equal"] and data["denial_enforced"]
     agents = {a["agent"]: a for a in data["agents"]}
     assert set(agents) == {"calculator", "memory", "send-email", "summarize"}
-    assert all(a["turns"] == 4 for a in agents.values())
+    assert all(a["turns"] == 2 for a in agents.values())
     email = agents["send-email"]
     assert email["outbox"] == [] and not any(c["executed"] for c in email["tool_calls"])
     calc = agents["calculator"]["transcript"]
@@ -125,12 +125,12 @@ def test_capstone_agents_match_sequential_and_email_is_denied(fed_url, tmp_path)
 
 
 def test_overload_at_twice_capacity_rejects_with_429_and_completes_every_accepted(fed_url, tmp_path):
-    out = fedserve("overload", "--url", fed_url, "--factor", "2", "--duration", "8",
+    out = fedserve("overload", "--url", fed_url, "--factor", "2", "--duration", "5",
                    "--max-tokens", "4", "--out", str(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "| verdict | PASS |" in out.stdout
     data = load_report(tmp_path, "overload")
-    assert data["clients"] == 2 * data["capacity"] == 2 * (2 * 8 + 32)
+    assert data["clients"] == 2 * data["capacity"] == 2 * (2 * 8 + 8)
     assert data["rejected_429"] > 0 and data["server_errors"] == data["timeouts"] == data["broken"] == 0
     assert data["accepted"] == data["accepted_completed"] >= data["capacity"]
     assert set(data["statuses"]) == {"200", "429"}
