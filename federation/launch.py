@@ -34,7 +34,10 @@ def start(cfg: FederationConfig, host: str = "127.0.0.1", port: int = 8000,
         cpus = num_cpus or max(os.cpu_count() or 1,
                                int(cfg.num_replicas * cfg.replica_num_cpus + cfg.ingress_num_cpus) + 1)
         metrics = {"_metrics_export_port": metrics_export_port} if metrics_export_port else {}
-        ray.init(num_cpus=cpus, include_dashboard=False, _node_ip_address="127.0.0.1", **metrics,
+        # address="local": always a new instance; a cluster someone started on this machine
+        # (`ray start`, a simulated multi-node test) is never joined by accident
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False,
+                 _node_ip_address="127.0.0.1", **metrics,
                  runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})
     serve.start(http_options={"host": host, "port": port}, proxy_location=proxy_location)
     serve.run(build_app(cfg), name="fedserve", route_prefix="/", blocking=False)

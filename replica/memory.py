@@ -17,7 +17,7 @@ from replica.errors import DeviceMemoryError
 from replica.kv import KVCache
 from replica.models.spec import ModelConfig
 from replica.models.transformer import ForwardBatch, Transformer
-from replica.runner import GRAPH_BATCHES, MIN_GRAPH_BLOCKS
+from replica.graphs import GRAPH_BATCHES, MIN_GRAPH_BLOCKS
 
 log = logging.getLogger("fedserve.engine")
 ATTN_SPLIT = 512  # keys per split of the paged decode kernel (kernels/triton_attention.py)

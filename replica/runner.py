@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from replica.graphs import GRAPH_BATCHES, MIN_GRAPH_BLOCKS, DecodeGraphs  # noqa: F401 (memory.py)
+from replica.graphs import DecodeGraphs
 from replica.kv import KVCache
 from replica.models.transformer import ForwardBatch, PrefillSpan, Transformer
 from replica.scheduler import Chunk, StepRecord
