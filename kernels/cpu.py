@@ -52,16 +52,24 @@ def cache_dir() -> Path:
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL:
     """Compile (if needed) and load the kernel library; one per process."""
+    return build_library()
+
+
+@functools.lru_cache(maxsize=4)
+def build_library(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The kernel library built with extra -D defines (the test and bench build
+    -DFS_GENERIC_TILES, the portable tile, to compare it with the machine's)."""
     src = _SRC.read_bytes()
     cc = os.environ.get("CC", "cc")
-    tag = hashlib.sha256(src + " ".join((cc,) + _CFLAGS).encode()).hexdigest()[:16]
+    flags = _CFLAGS + tuple(f"-D{d}" for d in defines)
+    tag = hashlib.sha256(src + " ".join((cc,) + flags).encode()).hexdigest()[:16]
     out = cache_dir() / f"fedserve_cpu_{tag}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            proc = subprocess.run([cc, *_CFLAGS, str(_SRC), "-o", tmp, "-lm"],
+            proc = subprocess.run([cc, *flags, str(_SRC), "-o", tmp, "-lm"],
                                   capture_output=True, text=True)
         except FileNotFoundError as e:
             os.unlink(tmp)
@@ -89,8 +97,9 @@ def _f32(t: torch.Tensor, name: str) -> torch.Tensor:
     return t.contiguous()
 
 
-def linear(lin: Linear, x: torch.Tensor) -> torch.Tensor:
-    """x [n, in] f32 → [n, out] f32; each row computed alone (batch-invariant)."""
+def linear(lin: Linear, x: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [n, in] f32 → [n, out] f32; each row computed alone (batch-invariant).
+    lib: another build of the library (build_library), for comparisons."""
     x = _f32(x, "x")
     if x.dim() != 2 or x.shape[1] != lin.in_features:
         raise ValueError(f"x: expected [n, {lin.in_features}], got {tuple(x.shape)}")
@@ -102,9 +111,9 @@ def linear(lin: Linear, x: torch.Tensor) -> torch.Tensor:
     wq = lin.weight if lin.fmt == "f32" else lin.qs
     scale = lin.scale.data_ptr() if lin.scale is not None else None
     minv = lin.minv.data_ptr() if lin.minv is not None else None
-    library().fs_linear(_FMT[lin.fmt], x.data_ptr(), x.shape[0], x.shape[1], wq.data_ptr(),
-                        scale, minv, lin.out_features, y.data_ptr(),
-                        _threads(x.shape[0] * lin.out_features * lin.in_features))
+    (lib or library()).fs_linear(_FMT[lin.fmt], x.data_ptr(), x.shape[0], x.shape[1],
+                                 wq.data_ptr(), scale, minv, lin.out_features, y.data_ptr(),
+                                 _threads(x.shape[0] * lin.out_features * lin.in_features))
     return y
 
 

@@ -136,30 +136,17 @@ def test_bad_inputs_raise():
                scale=torch.zeros(8, 1), minv=torch.zeros(8, 1))
 
 
-def test_every_tile_path_gives_the_same_bits(tmp_path):
+def test_every_tile_path_gives_the_same_bits():
     """The library as built here (on AVX2 machines: the intrinsics tile) against the same source
     built with only the generic vector tile (-DFS_GENERIC_TILES): every result bit equal, for
     each format, batch sizes that use the 4-row and 1-row tiles, and N not a multiple of 4."""
-    import ctypes
-    import subprocess
-
-    generic = tmp_path / "generic.so"
-    subprocess.run(["cc", *cpu._CFLAGS, "-DFS_GENERIC_TILES",
-                    str(cpu._SRC), "-o", str(generic), "-lm"], check=True)
-    lib = ctypes.CDLL(str(generic))
-    lib.fs_linear.argtypes = cpu._SIGNATURES["fs_linear"]
-    lib.fs_linear.restype = None
+    generic = cpu.build_library(("FS_GENERIC_TILES",))
     g = torch.Generator().manual_seed(5)
     for fmt, make in FORMATS.items():
         for n, k in ((7, 64), (37, 96), (130, 576)):
             lin = make(torch.randn(n, k, generator=g))
             for batch in (1, 3, 4, 9):
                 x = torch.randn(batch, k, generator=g)
-                want = torch.empty(batch, n)
-                wq = lin.weight if lin.fmt == "f32" else lin.qs
-                lib.fs_linear(cpu._FMT[lin.fmt], x.data_ptr(), batch, k, wq.data_ptr(),
-                              lin.scale.data_ptr() if lin.scale is not None else None,
-                              lin.minv.data_ptr() if lin.minv is not None else None, n,
-                              want.data_ptr(), 2)
+                want = cpu.linear(lin, x, lib=generic)
                 got = cpu.linear(lin, x)
                 assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (fmt, n, k, batch)
