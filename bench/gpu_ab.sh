@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call comparing kernel variants: the kernels' GPU tests, the kernel benchmark over
 # launch variants (bench/kernel_bench.py: split-K program targets, programmatic dependent launch
-# on/off), the engine's bitwise tests, then the engine benchmark once per mode, each in its own
-# process.
+# on/off), optionally the row modes (ROW_MODES=1) and a kernel profile of engine steps
+# (PROFILE=1), the engine's bitwise tests, then the engine benchmark once per mode, each in its
+# own process.
 # Usage (on the GPU machine, repo root):   OUT=/some/dir bash bench/gpu_ab.sh
 set -u
 export PYTHONUNBUFFERED=1
@@ -26,18 +27,32 @@ if [ -n "${BENCH-1}" ]; then
     --tiles "${TILES:-16x64x64w1s3}" --json "$OUT/kernels.json" 2>&1 | grep -v Warning
 fi
 
+if [ -n "${ROW_MODES-}" ]; then  # bench/row_modes.py: split / seq / wide row tiles, bits
+  stamp "row modes"
+  timeout "${T_ROWS:-240}" python -m bench.row_modes --tiles "${ROW_TILES:-32x64x64w1s3,32x32x64w1s3,64x64x64w4s3,128x64x64w4s3}" \
+    --json "$OUT/row_modes.json" 2>&1 | grep -v Warning
+fi
+
+if [ -n "${PROFILE-}" ]; then  # bench/gpu_profile.py: kernel times of prefill and decode steps
+  stamp "step profile"
+  timeout "${T_PROFILE:-200}" python -m bench.gpu_profile --json "$OUT/profile.json" 2>&1 | grep -v Warning
+fi
+
 if [ -n "${ENGINE_TESTS-1}" ]; then
   stamp "engine: a stream alone vs among 1..64 others, bitwise; CUDA engine tests"
   timeout "${T_ENGINE_TESTS:-300}" python -m pytest -q tests/kernels/test_gpu.py tests/replica/test_cuda.py \
     -k "engine or stream_alone or cuda" 2>&1 | tail -15
 fi
 
-for mode in ${ENGINE_MODES-pdl nopdl}; do  # nopdl: plain launches
+for mode in ${ENGINE_MODES-pdl nopdl}; do  # nopdl: plain launches; splitrows: v7's row modes
   stamp "engine benchmark, $mode"
   timeout "${T_ENGINE:-200}" python -c "
 import sys
-from kernels import triton_pdl
+from kernels import q4_layout, triton_moe, triton_pdl
 triton_pdl.ENABLED = 'nopdl' not in '$mode'
+if 'splitrows' in '$mode':  # every batch size on the decode tile with parallel K splits (v7)
+    q4_layout.SEQ_MIN_ROWS = q4_layout.WIDE_MIN_ROWS = 1 << 30
+    triton_moe.SEQ_MIN_TOKENS = triton_moe.WIDE_MIN_TOKENS = 1 << 30
 from cli.main import main
 sys.exit(main(['bench', 'engine', '--model', 'synthetic:qwen3-30b-a3b-int4', '--device', 'cuda',
                '--context', '${CONTEXT:-128,2048}', '--streams', '${STREAMS:-1,64}',

@@ -26,7 +26,7 @@ from triton.compiler import ASTSource
 from kernels import q4_layout, triton_q4
 from kernels.q4_layout import Q4Tile
 
-CONSTEXPRS = ("HAS_RES", "BM", "BN", "NB", "S", "ASM", "PDL")
+CONSTEXPRS = ("HAS_RES", "BM", "BN", "NB", "S", "SEQ", "ASM", "PDL")
 # what the runtime specializes for our shapes (multiples of 16): without it every load is scalar
 DIV16 = {"x_ptr", "w_ptr", "sm_ptr", "res_ptr", "y_ptr", "ws_ptr", "tickets_ptr", "N", "K",
          "stride_x"}
@@ -49,7 +49,8 @@ class LoopReport:
         return self.ops["STS"]
 
 
-def compile_q4_linear(tile: Q4Tile, arch: int = 90, split: int = 1, pdl: bool = False):
+def compile_q4_linear(tile: Q4Tile, arch: int = 90, split: int = 1, pdl: bool = False,
+                      seq: bool = False):
     kern = triton_q4._q4_linear_kernel
     types, attrs = {}, {}
     for i, name in enumerate(kern.arg_names):
@@ -61,7 +62,8 @@ def compile_q4_linear(tile: Q4Tile, arch: int = 90, split: int = 1, pdl: bool = 
             types[name] = "i32"
         if name in DIV16:
             attrs[(i,)] = [["tt.divisibility", 16]]
-    consts = dict(HAS_RES=False, BM=tile.bm, BN=tile.bn, NB=tile.nb, S=split, ASM=True, PDL=pdl)
+    consts = dict(HAS_RES=False, BM=tile.bm, BN=tile.bn, NB=tile.nb, S=split, SEQ=seq, ASM=True,
+                  PDL=pdl)
     return triton.compile(ASTSource(kern, types, consts, attrs), target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": tile.warps, "num_stages": tile.stages,
                                    "launch_pdl": pdl})

@@ -62,6 +62,13 @@ class Q4Tile:
 
 
 LINEAR_TILE = Q4Tile()
+# Many rows (prefill, big batches): one program runs all K splits of its tile (no partials in
+# memory) from SEQ_MIN_ROWS rows, and the row tile widens from WIDE_MIN_ROWS. Same bits per
+# row as LINEAR_TILE with parallel splits (kernels/triton_q4.py `plan`), so the thresholds are
+# free: set where each measured faster on the H200 (bench/row_modes.py, GPU_NOTES v8).
+WIDE_TILE = Q4Tile(bm=32)
+SEQ_MIN_ROWS = 256
+WIDE_MIN_ROWS = 512
 
 
 def split_count(n: int, k: int, tile: Q4Tile, programs: int = MAX_PROGRAMS) -> int:

@@ -211,7 +211,7 @@ def linear(lin: Linear, x: torch.Tensor, out: torch.Tensor | None = None,
     if lin.fmt == "q4":
         if not isinstance(lin, Q4Linear):
             raise TypeError("q4 weights must be in GPU storage (kernels.triton_linear.to_gpu_format)")
-        return triton_q4.linear(lin, x, out, residual, tile or q4_layout.LINEAR_TILE)
+        return triton_q4.linear(lin, x, out, residual, tile)
     tile = tile or LINEAR_TILE
     w, s, sw, ss = weight_args(lin)
     res = residual if residual is not None else out

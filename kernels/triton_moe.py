@@ -6,8 +6,9 @@ Program (slot, n-tile) of an expert kernel walks its slot's assignments BM rows 
 gathering the rows of x. q4 experts run the re-packed q4 GEMM (kernels/triton_q4.py) with a
 fixed K split per expert shape: program (slot, n-tile, split) stores the partials of all the
 slot's rows, and the last split program of (slot, n-tile) sums them in split order and runs the
-epilogue (SiLU·up, or the down projection's store). f32/q8 experts run the f32/q8 loop of
-kernels/triton_linear.py unsplit.
+epilogue (SiLU·up, or the down projection's store). From SEQ_MIN_TOKENS tokens one program
+runs all S splits of its tile instead (`q4_splits`: the same bits, no partials in memory).
+f32/q8 experts run the f32/q8 loop of kernels/triton_linear.py unsplit.
 
 Batch invariance: a row's GEMM result depends only on its own x row and the expert's weights
 (fixed tile config, a split count fixed by the expert's shape, rows of a tile never interact),
@@ -17,19 +18,27 @@ other tokens are routed where.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
 
-from kernels import triton_moe_route, triton_pdl, triton_q4
+from kernels import q4_layout, triton_moe_route, triton_pdl, triton_q4
 from kernels.linear import Linear
 from kernels.moe_layout import StackedExperts, inter_dtype
+from kernels.q4_layout import Q4Tile
 from kernels.triton_linear import FMT_CODES, TileConfig, check_x, rows_times_w
 from kernels.triton_pdl import pdl_wait
-from kernels.triton_q4 import q4_rows, split_load_sum, split_range, split_release, split_store, split_ticket
+from kernels.triton_q4 import (q4_rows, q4_splits, split_load_sum, split_range, split_release,
+                               split_store, split_ticket)
 
 EXPERT_TILE = TileConfig(bm=16, bn=32, bk=128, warps=4, stages=2)  # f32/q8 experts
 CHUNK_TOKENS = 512  # tokens per expert pass: bounds the split-K partials of a long prefill
+# from this many tokens one program runs all K splits of its q4 expert tile (no partials in
+# memory), and from WIDE_MIN_TOKENS the row tile widens: the same bits, so free thresholds
+SEQ_MIN_TOKENS = 8
+WIDE_MIN_TOKENS = 256
 
 
 # ---- device code ------------------------------------------------------------------------------
@@ -62,10 +71,20 @@ def _slot_rows(arows, m0, count, BM: tl.constexpr):
 def _expert_rows(x_ptr, rows, valid, stride_x, w_e, s_e, n0, n_mask, N, K, k_lo, k_hi, stride_w,
                  stride_s, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr, ASM: tl.constexpr):
-    """[BM, BN] = x[rows] @ W_e[n0 : n0 + BN].T over k in [k_lo, k_hi) (f32/q8: all of K)."""
+    """[BM, BN] = x[rows] @ W_e[n0 : n0 + BN].T over k in [k_lo, k_hi) (q4 only)."""
+    return q4_rows(x_ptr, rows, valid, stride_x, w_e, s_e, n0, n_mask, N, k_lo, k_hi, BM, BN,
+                   BK // 32, ASM)
+
+
+@triton.jit
+def _expert_all(x_ptr, rows, valid, stride_x, w_e, s_e, n0, n_mask, N, K, stride_w, stride_s,
+                FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                S: tl.constexpr, ASM: tl.constexpr):
+    """[BM, BN] = x[rows] @ W_e[n0 : n0 + BN].T over all of K, in one program: q4 runs its S
+    splits and sums them in split order (the bits of the split programs); f32/q8 all of K."""
     if FMT == 1:
-        acc = q4_rows(x_ptr, rows, valid, stride_x, w_e, s_e, n0, n_mask, N, k_lo, k_hi, BM, BN,
-                      BK // 32, ASM)
+        acc = q4_splits(x_ptr, rows, valid, stride_x, w_e, s_e, n0, n_mask, N, K, BM, BN, BK // 32,
+                        S, ASM)
     else:
         acc = rows_times_w(x_ptr, rows, valid, stride_x, w_e, s_e, n0, n_mask, K, stride_w,
                            stride_s, tl.zeros((BM, BN), tl.float32), FMT, BN, BK)
@@ -76,11 +95,12 @@ def _expert_rows(x_ptr, rows, valid, stride_x, w_e, s_e, n0, n_mask, N, K, k_lo,
 def _moe_gate_up_kernel(x_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, inter_ptr, ws_ptr, tickets_ptr,
                         T, TK, I, K, stride_x, stride_we, stride_w, stride_se, stride_s,
                         stride_inter, FMT: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
-                        BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr, ASM: tl.constexpr,
-                        PDL: tl.constexpr):
+                        BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr, SEQ: tl.constexpr,
+                        ASM: tl.constexpr, PDL: tl.constexpr):
     """inter[a, j] = silu(x[t] . Wg[e, j]) * (x[t] . Wu[e, j]) for the slot's assignments a
     (t = a // k); the tile's BN interleaved gate/up rows give BN // 2 outputs j. With S > 1
-    K splits, partials go through ws [S, T*k, 2I] and the last split program finishes."""
+    K splits run by S programs (not SEQ), partials go through ws [S, T*k, 2I] and the last
+    split program finishes; SEQ: one program runs the S splits (the same bits)."""
     pdl_wait(PDL)
     expert, count = _slot(meta_ptr)
     if count == 0:
@@ -93,8 +113,9 @@ def _moe_gate_up_kernel(x_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, inter_ptr, ws_
     k_lo, k_hi = split_range(K, tl.program_id(2), S, BK)
     split_stride = TK.to(tl.int64) * (2 * I)
     ticket = tl.program_id(0) * tl.num_programs(1) + pid_n
+    parallel: tl.constexpr = S > 1 and not SEQ
     last = True
-    if S > 1:
+    if parallel:
         for m0 in range(0, count, BM):
             rows, valid = _slot_rows(arows, m0, count, BM)
             acc = _expert_rows(x_ptr, rows // TOPK, valid, stride_x, w_e, s_e, pid_n * BN, n_mask,
@@ -105,17 +126,17 @@ def _moe_gate_up_kernel(x_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, inter_ptr, ws_
     if last:
         for m0 in range(0, count, BM):
             rows, valid = _slot_rows(arows, m0, count, BM)
-            if S > 1:
+            if parallel:
                 acc = split_load_sum(ws_ptr, rows.to(tl.int64)[:, None] * (2 * I) + offs_n[None, :],
                                      valid[:, None] & n_mask[None, :], split_stride, S)
             else:
-                acc = _expert_rows(x_ptr, rows // TOPK, valid, stride_x, w_e, s_e, pid_n * BN,
-                                   n_mask, 2 * I, K, 0, K, stride_w, stride_s, FMT, BM, BN, BK, ASM)
+                acc = _expert_all(x_ptr, rows // TOPK, valid, stride_x, w_e, s_e, pid_n * BN,
+                                  n_mask, 2 * I, K, stride_w, stride_s, FMT, BM, BN, BK, S, ASM)
             g, u = tl.split(tl.reshape(acc, (BM, BN // 2, 2)))
             h = g / (1.0 + tl.exp(-g)) * u
             dst = inter_ptr + rows.to(tl.int64)[:, None] * stride_inter + cols[None, :]
             tl.store(dst, h.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & (cols < I)[None, :])
-        if S > 1:
+        if parallel:
             split_release(tickets_ptr, ticket)
 
 
@@ -123,7 +144,7 @@ def _moe_gate_up_kernel(x_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, inter_ptr, ws_
 def _moe_down_kernel(inter_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, tickets_ptr, T, TK,
                      N, K, stride_inter, stride_we, stride_w, stride_se, stride_s, stride_y,
                      FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     S: tl.constexpr, ASM: tl.constexpr,
+                     S: tl.constexpr, SEQ: tl.constexpr, ASM: tl.constexpr,
                      PDL: tl.constexpr):
     """y[a, n] = inter[a] . Wd[e, n] for the slot's assignments a (splits as in gate_up)."""
     pdl_wait(PDL)
@@ -137,8 +158,9 @@ def _moe_down_kernel(inter_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, y_ptr, ws_ptr
     k_lo, k_hi = split_range(K, tl.program_id(2), S, BK)
     split_stride = TK.to(tl.int64) * N
     ticket = tl.program_id(0) * tl.num_programs(1) + pid_n
+    parallel: tl.constexpr = S > 1 and not SEQ
     last = True
-    if S > 1:
+    if parallel:
         for m0 in range(0, count, BM):
             rows, valid = _slot_rows(arows, m0, count, BM)
             acc = _expert_rows(inter_ptr, rows, valid, stride_inter, w_e, s_e, pid_n * BN, n_mask,
@@ -151,13 +173,13 @@ def _moe_down_kernel(inter_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, y_ptr, ws_ptr
             rows, valid = _slot_rows(arows, m0, count, BM)
             offs = rows.to(tl.int64)[:, None] * N + offs_n[None, :]
             mask = valid[:, None] & n_mask[None, :]
-            if S > 1:
+            if parallel:
                 acc = split_load_sum(ws_ptr, offs, mask, split_stride, S)
             else:
-                acc = _expert_rows(inter_ptr, rows, valid, stride_inter, w_e, s_e, pid_n * BN,
-                                   n_mask, N, K, 0, K, stride_w, stride_s, FMT, BM, BN, BK, ASM)
+                acc = _expert_all(inter_ptr, rows, valid, stride_inter, w_e, s_e, pid_n * BN,
+                                  n_mask, N, K, stride_w, stride_s, FMT, BM, BN, BK, S, ASM)
             tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_y + offs_n[None, :], acc, mask=mask)
-        if S > 1:
+        if parallel:
             split_release(tickets_ptr, ticket)
 
 
@@ -184,22 +206,26 @@ def prepare_experts(experts: tuple[tuple[Linear, Linear], ...], device: str) -> 
 
 
 def experts_forward(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
-                    inter: torch.Tensor, y: torch.Tensor, tile: TileConfig | None = None) -> None:
+                    inter: torch.Tensor, y: torch.Tensor, tile: TileConfig | Q4Tile | None = None,
+                    seq: bool | None = None) -> None:
     """y [T*k, hidden] ← expert(ids[t, r]) applied to x[t], row a = t*k + r; inter [T*k, I]
     (float16 for q4/q8 experts: the down GEMM rounds it to fp16 anyway, so the bits are the
-    same and its bytes half). q4 experts run the tile they were stacked for; tile is the
-    f32/q8 one. Tokens go CHUNK_TOKENS per pass (a token's bits do not depend on its pass)."""
+    same and its bytes half). Tokens go CHUNK_TOKENS per pass (a token's bits do not depend
+    on its pass). tile: the f32/q8 TileConfig, or a q4 Q4Tile with the BK the experts were
+    stacked for (default: theirs, its rows widened to WIDE_TILE's from WIDE_MIN_TOKENS
+    tokens); seq: whether one program runs all K splits of a q4 expert tile (default: from
+    SEQ_MIN_TOKENS tokens). Neither changes a bit (kernels/triton_q4.py `plan`)."""
     t, top_k = ids.shape
     if (inter.shape[0], y.shape[0]) != (t * top_k, t * top_k):
         raise ValueError("inter [T*k, I] and y [T*k, hidden] expected")
     for t0 in range(0, max(t, 1), CHUNK_TOKENS):
         t1 = min(t, t0 + CHUNK_TOKENS)
         _experts_pass(x[t0:t1], ids[t0:t1], experts, inter[t0 * top_k:t1 * top_k],
-                      y[t0 * top_k:t1 * top_k], tile)
+                      y[t0 * top_k:t1 * top_k], tile, seq)
 
 
 def _experts_pass(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
-                  inter: torch.Tensor, y: torch.Tensor, tile: TileConfig | None) -> None:
+                  inter: torch.Tensor, y: torch.Tensor, tile, seq: bool | None) -> None:
     t, top_k = ids.shape
     tk = t * top_k
     check_x(x, experts.hidden)
@@ -211,17 +237,27 @@ def _experts_pass(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
         raise ValueError(f"inter must be {inter_dtype(experts)} for {experts.fmt} experts")
     if tk == 0:
         return
-    tile = experts.tile if experts.fmt == "q4" else tile or EXPERT_TILE
     fmt = FMT_CODES[experts.fmt]
+    seq = seq if seq is not None else t >= SEQ_MIN_TOKENS
+    if experts.fmt == "q4":
+        tile = tile or (replace(experts.tile, bm=q4_layout.WIDE_TILE.bm)
+                        if t >= WIDE_MIN_TOKENS else experts.tile)
+        if tile.nb != experts.tile.nb:  # the split ranges are counted in its k steps
+            raise ValueError(f"q4 experts: tile {tile.name} does not match their split tile")
+    else:
+        tile = tile or EXPERT_TILE
     dev = x.device
     meta, arows = triton_moe_route.align(ids, experts.num_experts)
     slots = arows.shape[0]
     asm = triton_q4.use_asm(x)
 
     def scratch(split: int, n: int, tickets):
-        if split == 1:
+        if split == 1 or seq:
             return y, y  # never touched
         return torch.empty(split, tk, n, dtype=torch.float32, device=dev), tickets
+
+    def splits(split: int) -> int:  # programs per (slot, n-tile)
+        return 1 if seq else split
 
     def strides(w, s):  # (expert, row) strides of the f32/q8 stacks; q4 kernels ignore the row ones
         return w.stride(0), w.stride(1), s.stride(0), s.stride(1) if s.dim() == 3 else 0
@@ -230,15 +266,16 @@ def _experts_pass(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
                   num_stages=tile.stages, **triton_pdl.launch(x))
     w, s = experts.gu
     ws, tickets = scratch(experts.gu_split, 2 * experts.inter, experts.gu_tickets)
-    _moe_gate_up_kernel[(slots, triton.cdiv(2 * experts.inter, tile.bn), experts.gu_split)](
+    _moe_gate_up_kernel[(slots, triton.cdiv(2 * experts.inter, tile.bn), splits(experts.gu_split))](
         x, meta, arows, w, s, inter, ws, tickets, t, tk, experts.inter, experts.hidden,
         x.stride(0), *strides(w, s), inter.stride(0), FMT=fmt, TOPK=top_k,
-        S=experts.gu_split, **launch)
+        S=experts.gu_split, SEQ=seq, **launch)
     w, s = experts.down
     ws, tickets = scratch(experts.down_split, experts.hidden, experts.down_tickets)
-    _moe_down_kernel[(slots, triton.cdiv(experts.hidden, tile.bn), experts.down_split)](
+    _moe_down_kernel[(slots, triton.cdiv(experts.hidden, tile.bn), splits(experts.down_split))](
         inter, meta, arows, w, s, y, ws, tickets, t, tk, experts.hidden, experts.inter,
-        inter.stride(0), *strides(w, s), y.stride(0), FMT=fmt, S=experts.down_split, **launch)
+        inter.stride(0), *strides(w, s), y.stride(0), FMT=fmt, S=experts.down_split, SEQ=seq,
+        **launch)
 
 
 # ---- float64 reference (tests) ----------------------------------------------------------------

@@ -14,6 +14,10 @@ function of the weight's shape and the tile only — never of the batch. Each pr
 its fp32 partial; the last of a tile's S programs to arrive (a ticket counter, reset by that
 program) sums the S partials in split order 0..S-1 and runs the epilogue. Which program
 sums changes from run to run, the order of the sum never does: bitwise batch-invariant.
+
+Many rows (`plan`): one program runs all S splits of its tile itself, each from zero, and sums
+them in the same order (`q4_splits`), and the row tile widens (32 rows, still one warp of
+mma.m16n8k16 per 16 rows): the same bits per row, without S x rows x N partials in memory.
 """
 
 from __future__ import annotations
@@ -110,6 +114,23 @@ def split_range(K, sp, S: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
+def q4_splits(x_ptr, x_rows, row_mask, stride_x, w_ptr, sm_ptr, n0, n_mask, N, K,
+              BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, S: tl.constexpr,
+              ASM: tl.constexpr):
+    """acc [BM, BN] fp32 = x[x_rows] @ W[n0 : n0 + BN].T over all of K, computed as the S split
+    programs compute it (each split's partial from zero over its k range), the partials summed
+    in split order 0..S-1 as split_load_sum does: the bits of the split-K path from one program,
+    with no partials in memory and no ticket (S = 1: one pass over K)."""
+    total = tl.zeros((BM, BN), dtype=tl.float32)
+    for sp in range(S):
+        k_lo, k_hi = split_range(K, sp, S, 32 * NB)
+        part = q4_rows(x_ptr, x_rows, row_mask, stride_x, w_ptr, sm_ptr, n0, n_mask, N, k_lo,
+                       k_hi, BM, BN, NB, ASM)
+        total = tl.where(sp == 0, part, total + part)  # p0 exactly, then + p1, + p2, ...
+    return total
+
+
+@triton.jit
 def split_store(acc, ws_ptr, offs, mask, split_stride):
     """This program's split-K partial [BM, BN] → ws[split] + offs (ws: [S, rows, N] fp32)."""
     tl.store(ws_ptr + tl.program_id(2) * split_stride + offs, acc, mask=mask)
@@ -164,29 +185,37 @@ def prefetch_weights(w_ptr, sm_ptr, n0, N, k_lo, k_hi, BN: tl.constexpr, BLOCKS:
 @triton.jit(do_not_specialize=["M", "stride_res", "stride_y"])
 def _q4_linear_kernel(x_ptr, w_ptr, sm_ptr, res_ptr, y_ptr, ws_ptr, tickets_ptr, M, N, K,
                       stride_x, stride_res, stride_y, HAS_RES: tl.constexpr, BM: tl.constexpr,
-                      BN: tl.constexpr, NB: tl.constexpr, S: tl.constexpr, ASM: tl.constexpr,
-                      PDL: tl.constexpr):
+                      BN: tl.constexpr, NB: tl.constexpr, S: tl.constexpr, SEQ: tl.constexpr,
+                      ASM: tl.constexpr, PDL: tl.constexpr):
+    """SEQ: each program runs all S splits of its tile itself (q4_splits); else program
+    (row tile, n-tile, split) runs one split and the last to arrive sums the S partials."""
     pid_m, pid_n, offs_m, offs_n, m_mask, n_mask = output_tile(M, N, BM, BN)
     k_lo, k_hi = split_range(K, tl.program_id(2), S, 32 * NB)
+    if SEQ:
+        k_lo, k_hi = 0, K
     if PDL:  # the weights stream into L2 while the previous kernel finishes
         if pid_m == 0:
             prefetch_weights(w_ptr, sm_ptr, pid_n * BN, N, k_lo, k_hi, BN, PREFETCH_BLOCKS)
     pdl_wait(PDL)
-    acc = q4_rows(x_ptr, offs_m, m_mask, stride_x, w_ptr, sm_ptr, pid_n * BN, n_mask, N, k_lo,
-                  k_hi, BM, BN, NB, ASM)
     mask = m_mask[:, None] & n_mask[None, :]
     rows = offs_m.to(tl.int64)[:, None]
-    offs = rows * N + offs_n[None, :]
-    split_stride = M.to(tl.int64) * N
-    ticket = pid_m * tl.num_programs(1) + pid_n
     last = True
-    if S > 1:
-        split_store(acc, ws_ptr, offs, mask, split_stride)
-        last = split_ticket(tickets_ptr, ticket, S)
-    if last:
+    if SEQ:
+        acc = q4_splits(x_ptr, offs_m, m_mask, stride_x, w_ptr, sm_ptr, pid_n * BN, n_mask, N, K,
+                        BM, BN, NB, S, ASM)
+    else:
+        acc = q4_rows(x_ptr, offs_m, m_mask, stride_x, w_ptr, sm_ptr, pid_n * BN, n_mask, N,
+                      k_lo, k_hi, BM, BN, NB, ASM)
+        offs = rows * N + offs_n[None, :]
+        split_stride = M.to(tl.int64) * N
+        ticket = pid_m * tl.num_programs(1) + pid_n
         if S > 1:
-            acc = split_load_sum(ws_ptr, offs, mask, split_stride, S)
-            split_release(tickets_ptr, ticket)
+            split_store(acc, ws_ptr, offs, mask, split_stride)
+            last = split_ticket(tickets_ptr, ticket, S)
+            if last:
+                acc = split_load_sum(ws_ptr, offs, mask, split_stride, S)
+                split_release(tickets_ptr, ticket)
+    if last:
         if HAS_RES:
             acc = tl.load(res_ptr + rows * stride_res + offs_n[None, :], mask=mask, other=0.0) + acc
         tl.store(y_ptr + rows * stride_y + offs_n[None, :], acc, mask=mask)
@@ -198,29 +227,46 @@ def use_asm(t: torch.Tensor) -> bool:
     return t.device.type == "cuda"
 
 
+def plan(lin: Q4Linear, rows: int) -> tuple[Q4Tile, bool]:
+    """(tile, seq) for `rows` rows of x through lin: SEQ_MIN_ROWS rows or more run each tile's
+    K splits in one program (no partials in memory), WIDE_MIN_ROWS or more the wide row tile.
+    Both give every row the bits of the decode tile with parallel splits (the same MMAs per
+    row, the same split ranges and merge order), so the choice may follow the batch."""
+    seq = lin.split > 1 and rows >= q4_layout.SEQ_MIN_ROWS
+    return (q4_layout.WIDE_TILE if rows >= q4_layout.WIDE_MIN_ROWS else LINEAR_TILE), seq
+
+
 def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
-           residual: torch.Tensor | None = None, tile: Q4Tile = LINEAR_TILE,
-           asm: bool | None = None) -> torch.Tensor:
+           residual: torch.Tensor | None = None, tile: Q4Tile | None = None,
+           asm: bool | None = None, seq: bool | None = None) -> torch.Tensor:
     """out [n, N] = x @ W.T (+ residual); x [n, K] float32 with contiguous rows; returns out.
-    Rows go MAX_ROWS (split weights: SPLIT_ROWS) per launch; a row's bits do not depend on
-    which launch it is in.
+    tile / seq: the row tile and whether a program runs all K splits (default: `plan`); the
+    tile's BK must be the one the weight's split was counted in (LINEAR_TILE's).
+    Rows go MAX_ROWS (parallel split programs: SPLIT_ROWS) per launch; a row's bits do not
+    depend on which launch it is in.
     asm: the inline-PTX dequant (default: on CUDA); False runs the plain-Triton one (tests)."""
     asm = use_asm(x) if asm is None else asm
     n, big_n, k = x.shape[0], lin.out_features, lin.in_features
-    step = q4_layout.MAX_ROWS if lin.split == 1 else q4_layout.SPLIT_ROWS
-    if lin.split > 1 and (lin.tickets is None or lin.tickets.numel() < step // tile.bm
-                          * triton.cdiv(big_n, tile.bn)):
+    auto_tile, auto_seq = plan(lin, n)
+    tile = auto_tile if tile is None else tile
+    seq = auto_seq if seq is None else seq and lin.split > 1
+    if tile.nb != LINEAR_TILE.nb:  # the split ranges are counted in its k steps
+        raise ValueError(f"q4 linear: tile {tile.name} does not match the split tile {LINEAR_TILE.name}")
+    parallel = lin.split > 1 and not seq
+    step = q4_layout.SPLIT_ROWS if parallel else q4_layout.MAX_ROWS
+    if parallel and (lin.tickets is None or lin.tickets.numel() < step // tile.bm
+                     * triton.cdiv(big_n, tile.bn)):
         raise ValueError("q4 linear: tickets sized for another tile")
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         xs, ys = x[r0:r1], out[r0:r1]
         res = residual[r0:r1] if residual is not None else ys
         ws = (torch.empty(lin.split, r1 - r0, big_n, dtype=torch.float32, device=x.device)
-              if lin.split > 1 else ys)
-        grid = (triton.cdiv(r1 - r0, tile.bm), triton.cdiv(big_n, tile.bn), lin.split)
+              if parallel else ys)
+        grid = (triton.cdiv(r1 - r0, tile.bm), triton.cdiv(big_n, tile.bn), lin.split if parallel else 1)
         _q4_linear_kernel[grid](
-            xs, lin.qs, lin.sm, res, ys, ws, lin.tickets if lin.split > 1 else ys, r1 - r0,
+            xs, lin.qs, lin.sm, res, ys, ws, lin.tickets if parallel else ys, r1 - r0,
             big_n, k, xs.stride(0), res.stride(0), ys.stride(0),
             HAS_RES=residual is not None, BM=tile.bm, BN=tile.bn, NB=tile.nb, S=lin.split,
-            ASM=asm, num_warps=tile.warps, num_stages=tile.stages, **triton_pdl.launch(x))
+            SEQ=seq, ASM=asm, num_warps=tile.warps, num_stages=tile.stages, **triton_pdl.launch(x))
     return out

@@ -190,6 +190,41 @@ def test_long_prefills_split_into_launches_change_no_bits(monkeypatch):
     assert torch.equal(_moe(x, router, stacked)[2], whole_moe)
 
 
+@pytest.mark.parametrize("n,k", [(5120, 2048), (2048, 4096), (128, 2048), (151936 // 8, 2048)])
+def test_wide_row_tiles_and_one_program_splits_give_the_decode_tile_bits(n, k):
+    """Many rows take the wide row tile and run a tile's K splits in one program; every row
+    keeps the bits of the decode tile with its S split programs (the same MMAs per row, the
+    same split ranges, the same merge order), so the engine may choose by batch size."""
+    g = torch.Generator(DEV).manual_seed(n * 3 + k)
+    lin = rand_q4(n, k, g)
+    x = torch.randn(300, k, generator=g, device=DEV)
+    res = torch.randn(300, n, generator=g, device=DEV)
+    ref = triton_q4.linear(lin, x, nan(300, n), res, tile=q4_layout.LINEAR_TILE, seq=False)
+    for tile, seq in ((q4_layout.LINEAR_TILE, True), (q4_layout.WIDE_TILE, True),
+                      (q4_layout.WIDE_TILE, False), (None, None)):
+        out = triton_q4.linear(lin, x, nan(300, n), res, tile=tile, seq=seq)
+        assert torch.equal(out, ref), (lin.split, tile, seq)
+    assert rel_err(ref, lin.reference(x) + res.double()) < TOL["q4"]
+    assert lin.tickets is None or not lin.tickets.any()
+
+
+def test_moe_wide_tiles_and_one_program_splits_give_the_split_programs_bits():
+    router, experts, stacked = real_moe()
+    g = torch.Generator(DEV).manual_seed(9)
+    x = torch.randn(300, 2048, generator=g, device=DEV)
+    ids, wts = torch.full((300, 8), -5, dtype=torch.int32, device=DEV), nan(300, 8)
+    triton_moe_route.route(x, router, 8, True, ids, wts)
+    wide = q4_layout.Q4Tile(bm=q4_layout.WIDE_TILE.bm)
+    outs = []
+    for tile, seq in ((stacked.tile, False), (stacked.tile, True), (wide, True), (None, None)):
+        inter, y = nan(2400, 768).half(), nan(2400, 2048)
+        triton_moe.experts_forward(x, ids, stacked, inter, y, tile=tile, seq=seq)
+        outs.append((inter, y))
+    for inter, y in outs[1:]:
+        assert torch.equal(inter, outs[0][0]) and torch.equal(y, outs[0][1])
+    assert not stacked.gu_tickets.any() and not stacked.down_tickets.any()
+
+
 def test_pdl_launches_change_no_bits_in_a_graph(monkeypatch):
     """Programmatic dependent launch (each kernel waits on the previous one, weights prefetched
     into L2 before the wait) changes no bit: a layer's chain of kernels captured in a CUDA

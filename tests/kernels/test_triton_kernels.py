@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 from kernels import cpu  # noqa: E402
 from kernels import (moe_layout, q4_layout, triton_attention, triton_linear, triton_moe,  # noqa: E402
-                     triton_moe_route, triton_norm)
+                     triton_moe_route, triton_norm, triton_q4)
 from kernels.linear import Linear, quantize_q4, quantize_q8  # noqa: E402
 
 FORMATS = {"f32": Linear.dense, "q4": quantize_q4, "q8": quantize_q8}
@@ -99,6 +99,27 @@ def test_q4_row_is_bitwise_independent_of_its_batch_with_split_k(monkeypatch):
         assert torch.equal(triton_linear.linear(lin, x, nan(batch + 1, 72))[pos], alone[0])
     monkeypatch.setattr(q4_layout, "SPLIT_ROWS", 16)  # long prefills go several launches
     assert torch.equal(triton_linear.linear(lin, x, nan(batch + 1, 72))[pos], alone[0])
+
+
+@pytest.mark.parametrize("n,k", [(72, 512), (80, 160)])
+def test_q4_one_program_per_tile_gives_the_bits_of_the_split_programs(n, k):
+    """seq: a program runs its tile's S K-splits itself and sums them in split order (no
+    partials in memory) — the bits of S programs and the ticketed sum, so many-row batches
+    may take it while a lone row does not."""
+    g = gen(n + k)
+    lin = triton_linear.to_gpu_format(quantize_q4(torch.randn(n, k, generator=g)))
+    assert lin.split > 1
+    x = torch.randn(21, k, generator=g)
+    res = torch.randn(21, n, generator=g)
+    tile = q4_layout.LINEAR_TILE
+    split = triton_q4.linear(lin, x, nan(21, n), res, tile=tile, seq=False)
+    one = triton_q4.linear(lin, x, nan(21, n), res, tile=tile, seq=True)
+    assert torch.equal(one, split) and not lin.tickets.any()
+    assert rel_err(one, lin.reference(x) + res.double()) < TOL["q4"]
+    assert triton_q4.plan(lin, 1) == (tile, False)
+    assert triton_q4.plan(lin, q4_layout.SEQ_MIN_ROWS)[1]
+    with pytest.raises(ValueError, match="split tile"):
+        triton_q4.linear(lin, x, nan(21, n), tile=q4_layout.Q4Tile(nb=4))
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
@@ -259,6 +280,25 @@ def test_moe_token_is_bitwise_independent_of_its_batch(hidden, inter, monkeypatc
         # row's position in its tile)
         monkeypatch.setattr(triton_moe, "CHUNK_TOKENS", 8)
         assert rel_err(_moe(x, router, stacked, 2)[2], out.double()) < 1e-6
+
+
+def test_moe_one_program_per_expert_tile_gives_the_bits_of_the_split_programs():
+    """Both q4 expert GEMMs split K in four; seq runs the four splits in one program: the
+    same bits, which lets a big batch take it while a lone token keeps the split programs."""
+    g = gen(11)
+    router, experts, stacked = _moe_setup("q4", g, hidden=256, inter=256)
+    assert (stacked.gu_split, stacked.down_split) == (4, 4)
+    x = torch.randn(9, 256, generator=g)
+    ids, wts = torch.full((9, 2), -5, dtype=torch.int32), nan(9, 2)
+    triton_moe_route.route(x, router, 2, True, ids, wts)
+    outs = []
+    for seq in (False, True):
+        inter, y = nan(18, 256).to(torch.float16), nan(18, 256)
+        triton_moe.experts_forward(x, ids, stacked, inter, y, seq=seq)
+        outs.append((inter, y))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert torch.isfinite(outs[1][1]).all()
+    assert not stacked.gu_tickets.any() and not stacked.down_tickets.any()
 
 
 # ---- the fused CUDA forward, interpreted, vs the CPU engine ----------------------------------------

@@ -1,0 +1,110 @@
+"""Row modes of the q4 GEMM and the MoE experts on the GPU: for each batch size, the decode
+tile with its K splits in parallel programs, the same tile with all splits in one program
+("seq"), and wider row tiles (seq) — time, bandwidth, TFLOP/s, and whether each gives the
+reference mode's bits (a mode that does not may never be chosen by batch size). The "plan"
+row is what the engine runs (kernels/triton_q4.py `plan`, kernels/triton_moe.py). Not a test.
+
+    python -m bench.row_modes [--ms 1,8,64,256,1024,4096] [--tiles 32x64x64w1s3,64x64x64w4s3]
+        [--ts 1,2,4,8,16,64,512] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from bench.kernel_bench import copy_bandwidth, rand_q4, timed
+from kernels import q4_layout, triton_linear, triton_moe, triton_moe_route, triton_q4
+from kernels.moe_layout import StackedExperts
+from kernels.q4_layout import Q4Tile
+
+DEV = "cuda"
+SHAPES = {"qkv": (5120, 2048), "o": (2048, 4096), "router": (128, 2048)}
+
+
+def _row(kernel, shape, m, mode, ms, nbytes, flops, copy_gbs, same) -> dict:
+    gbs = nbytes / ms / 1e6
+    r = dict(kernel=kernel, shape=shape, m=m, mode=mode, ms=ms, gbs=gbs,
+             pct_copy=100 * gbs / copy_gbs, tflops=flops / ms / 1e9, bits_equal=same)
+    print(f"{kernel:<8} {shape:<8} {m:>5} {mode:<22} {ms:>9.4f} ms {gbs:>7.0f} GB/s "
+          f"{r['pct_copy']:>5.1f}% {r['tflops']:>7.1f} TFLOP/s  bits {'=' if same else 'DIFFER'}",
+          flush=True)
+    return r
+
+
+def linear_modes(copy_gbs: float, ms_list, tiles) -> list[dict]:
+    g = torch.Generator(DEV).manual_seed(0)
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        lin = q4_layout.repack(rand_q4(n, k, g))
+        nbytes = lin.qs.nbytes + lin.sm.nbytes
+        for m in ms_list:
+            x = torch.randn(m, k, generator=g, device=DEV)
+            ref = triton_q4.linear(lin, x, torch.empty(m, n, device=DEV),
+                                   tile=q4_layout.LINEAR_TILE, seq=False)
+            modes = [("split", q4_layout.LINEAR_TILE, False), ("seq", q4_layout.LINEAR_TILE, True)]
+            modes += [(f"{t.name} seq", t, True) for t in tiles]
+            modes.append(("plan " + "/".join(f"{t.bm}{'s' if s else 'p'}" for t, s in
+                                             [triton_q4.plan(lin, m)]), None, None))
+            for label, tile, seq in modes:
+                out = torch.empty(m, n, device=DEV)
+                fn = lambda: triton_q4.linear(lin, x, out, tile=tile, seq=seq)  # noqa: E731
+                ms = timed(fn, label)
+                same = ms == ms and torch.equal(out, ref)
+                rows.append(_row("linear", name, m, label, ms, nbytes + 4 * m * (k + n),
+                                 2 * m * n * k, copy_gbs, same))
+        del lin
+    return rows
+
+
+def moe_modes(copy_gbs: float, ts, tiles) -> list[dict]:
+    g = torch.Generator(DEV).manual_seed(1)
+    router = triton_linear.to_gpu_format(rand_q4(128, 2048, g))
+    stacked = StackedExperts.stack(tuple((rand_q4(1536, 2048, g), rand_q4(2048, 768, g))
+                                         for _ in range(128)))
+    rows = []
+    for t in ts:
+        x = torch.randn(t, 2048, generator=g, device=DEV)
+        ids = torch.empty(t, 8, dtype=torch.int32, device=DEV)
+        wts = torch.empty(t, 8, device=DEV)
+        triton_moe_route.route(x, router, 8, True, ids, wts)
+        nbytes = int(torch.unique(ids).numel()) * stacked.expert_nbytes()
+        flops = 2 * t * 8 * 3 * 2048 * 768
+        ref = None
+        modes = [("split", stacked.tile, False), ("seq", stacked.tile, True)]
+        modes += [(f"{tl.name} seq", tl, True) for tl in tiles]
+        modes.append(("plan", None, None))
+        for label, tile, seq in modes:
+            inter = torch.empty(t * 8, 768, dtype=torch.float16, device=DEV)
+            y = torch.empty(t * 8, 2048, device=DEV)
+            fn = lambda: triton_moe.experts_forward(x, ids, stacked, inter, y, tile, seq)  # noqa: E731
+            ms = timed(fn, label)
+            if ref is None:
+                ref = y.clone()
+            rows.append(_row("experts", "E128k8", t, label, ms, nbytes, flops, copy_gbs,
+                             ms == ms and torch.equal(y, ref)))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ms", default="1,8,64,256,1024,4096", help="rows of x (linear)")
+    ap.add_argument("--ts", default="1,2,4,8,16,64,512", help="tokens (MoE experts, top-8)")
+    ap.add_argument("--tiles", default="32x64x64w1s3,64x64x64w1s3,64x64x64w4s3",
+                    help="wide row tiles (BN and BK of the decode tile)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    copy_gbs = copy_bandwidth()
+    print(f"device copy: {copy_gbs:.0f} GB/s (read + write)", flush=True)
+    tiles = [Q4Tile.parse(t) for t in args.tiles.split(",") if t]
+    rows = linear_modes(copy_gbs, [int(v) for v in args.ms.split(",")], tiles)
+    rows += moe_modes(copy_gbs, [int(v) for v in args.ts.split(",")], tiles)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_gbs": copy_gbs, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
