@@ -140,21 +140,32 @@ class _Graph:
 
     def load(self, record: StepRecord, block_size: int, tables: BlockTables) -> None:
         """Stage the step's n <= B decode tokens in rows [0, n) and padding after them."""
-        n, b, w = len(record.chunks), self.batch, self.width
-        toks, pos, slots = [], [], []
-        ints, ctx = self.host_ints, self.host_ctx
-        ctx.zero_()
-        rows = ctx[b:].view(b, w)
-        for i, c in enumerate(record.chunks):
-            s, p = c.stream, c.start
-            table = s.block_table
-            toks.extend(s.token_slice(p, p + 1))
-            pos.append(p)
-            slots.append(table[p // block_size] * block_size + p % block_size)
-            rows[i, : len(table)] = tables.get(s)
-        ints[:, n:] = 0
-        ints[2, n:] = -1
-        ints[:, :n] = torch.tensor([toks, pos, slots], dtype=torch.int64)
-        ctx[:n] = torch.tensor(pos, dtype=torch.int32) + 1
-        self.ints.copy_(ints, non_blocking=True)
-        self.ctx.copy_(ctx, non_blocking=True)
+        stage_decode(record, block_size, tables, self.host_ints, self.host_ctx)
+        self.ints.copy_(self.host_ints, non_blocking=True)
+        self.ctx.copy_(self.host_ctx, non_blocking=True)
+
+
+def stage_decode(record: StepRecord, block_size: int, tables: BlockTables, ints: torch.Tensor,
+                 ctx: torch.Tensor) -> None:
+    """Write a decode graph's inputs for the step's n <= B decode tokens into host tensors:
+    ints [3, B] int64 (token ids, positions, slots) and ctx [B + B*W] int32 (context lengths,
+    then the block tables as [B, W], each zero-padded). Rows [n, B) are padding: token 0,
+    position 0, slot -1 (writes no KV), context 0 (reads none), a table of zeros. Every element
+    is written. One pass over the chunks in Python; the rows go in with a few bulk writes."""
+    b = ints.shape[1]
+    w = (ctx.shape[0] - b) // b
+    chunks = record.chunks
+    n = len(chunks)
+    streams = [c.stream for c in chunks]
+    pos = [c.start for c in chunks]
+    toks = [s.token_at(p) for s, p in zip(streams, pos)]
+    slots = [s.block_table[p // block_size] * block_size + p % block_size
+             for s, p in zip(streams, pos)]
+    host, lens = ints.numpy(), ctx.numpy()  # the tensors' memory: [3, B] int64, [B + B*W] int32
+    host[0, :n], host[1, :n], host[2, :n] = toks, pos, slots
+    host[:2, n:] = 0
+    host[2, n:] = -1
+    lens[:n] = host[1, :n] + 1
+    lens[n:b] = 0
+    tables.stack(streams, w, out=ctx[b: b + n * w].view(n, w))  # [n, W]
+    lens[b + n * w:] = 0

@@ -15,7 +15,7 @@ from replica.graphs import DecodeGraphs
 from replica.kv import KVCache
 from replica.models.transformer import ForwardBatch, PrefillSpan, Transformer
 from replica.scheduler import Chunk, StepRecord
-from replica.step_inputs import BlockTables, prefill_range
+from replica.step_inputs import BlockTables, int_tensor, prefill_range
 
 
 @dataclass(frozen=True, eq=False)
@@ -90,19 +90,18 @@ class ModelRunner:
         hidden_spans: list[tuple[int, int, int]] = []  # (chunk, first row, last row + 1)
         spans: list[PrefillSpan] = []
         paged: list[int] = []  # rows that attend through the paged kernel (when spans exist)
-        mb = max(len(c.stream.block_table) for c in record.chunks)
-        tables = torch.zeros(len(record.chunks), mb, dtype=torch.int32)  # [S, MB]
+        streams = [c.stream for c in record.chunks]
+        tables = self.tables.stack(streams, max(len(s.block_table) for s in streams))  # [S, MB]
         for r, c in enumerate(record.chunks):
             s = c.stream
             table = s.block_table
-            tables[r, : len(table)] = self.tables.get(s)
             first = len(ids)
             ids.extend(s.token_slice(c.start, c.end))
             p = range(c.start, c.end)
             pos.extend(p)
             slots.extend(table[i // bs] * bs + i % bs for i in p)
             rows.extend([r] * (c.end - c.start))
-            fast = self.prefill_range(c)
+            fast = prefill_range(c, self.fast_prefill)
             if fast is None:
                 paged.extend(range(first, len(ids)))
             else:
@@ -116,23 +115,24 @@ class ModelRunner:
             if s.embed:
                 hidden_spans.append((r, first, len(ids)))
         dev = self.model.device
-        positions = torch.tensor(pos, dtype=torch.int64)  # [T]
+        positions = int_tensor(pos, torch.int64)  # [T]
+        tok_row = int_tensor(rows, torch.int32)  # [T]
         hidden_rows = (torch.cat([torch.arange(a, b) for _, a, b in hidden_spans])  # [E]
                        if hidden_spans else None)
         split = {}
         if spans:
-            paged_rows = torch.tensor(paged, dtype=torch.int64)  # [P]
+            paged_rows = int_tensor(paged, torch.int64)  # [P]
             split = dict(prefill=tuple(spans), paged_rows=paged_rows.to(dev),
-                         paged_tok_row=torch.tensor(rows, dtype=torch.int32)[paged_rows].to(dev),
+                         paged_tok_row=tok_row[paged_rows].to(dev),
                          paged_ctx_lens=(positions[paged_rows] + 1).to(torch.int32).to(dev))
         batch = ForwardBatch(
-            token_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            token_ids=int_tensor(ids, torch.int64).to(dev),
             positions=positions.to(dev),
-            slots=torch.tensor(slots, dtype=torch.int64, device=dev),
+            slots=int_tensor(slots, torch.int64).to(dev),
             block_tables=tables.to(dev),
-            tok_row=torch.tensor(rows, dtype=torch.int32, device=dev),
+            tok_row=tok_row.to(dev),
             ctx_lens=(positions + 1).to(torch.int32).to(dev),
-            logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
+            logit_rows=int_tensor(logit_rows, torch.int64).to(dev),
             hidden_rows=None if hidden_rows is None else hidden_rows.to(dev),
             **split,
         )

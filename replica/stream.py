@@ -40,6 +40,11 @@ class Stream:
             return self.output_ids[start - n: end - n]
         return self.prompt_ids[start:] + self.output_ids[: end - n]
 
+    def token_at(self, i: int) -> int:
+        """tokens[i], 0 <= i < num_tokens, without building the list."""
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
