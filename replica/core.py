@@ -65,6 +65,8 @@ class EngineCore:
                                    config.retain_sessions)
         self.runner = ModelRunner(self.model, self.kv, config.use_fast_prefill)
         self._live: dict[str, _Live] = {}
+        self._pieces: dict[int, str] = {}  # token id → its text alone, for every Detokenizer
+        self._eos = frozenset(cfg.eos_token_ids)  # for the per-token finish check
         self.steps = 0
         self.tokens_computed = 0  # prompt/recompute tokens fed through the model (for tests/stats)
 
@@ -128,7 +130,7 @@ class EngineCore:
             raise InvalidRequestError(f"duplicate request id {stream.request_id}")
         detok = None
         if not stream.embed:
-            detok = Detokenizer(self.tokenizer, stream.params.stop)
+            detok = Detokenizer(self.tokenizer, stream.params.stop, self._pieces)
             detok.skip(stream.output_ids)
         live = _Live(stream, sink, detok, sent=stream.num_resumed)
         self._live[stream.request_id] = live
@@ -158,15 +160,16 @@ class EngineCore:
         out = self.runner.execute(record)
         self.steps += 1
         self.tokens_computed += record.num_tokens
+        greedy, lives = out.greedy, self._live
         for r, chunk in enumerate(record.chunks):
             s = chunk.stream
             s.num_computed = chunk.end
-            live = self._live[s.request_id]
+            live = lives[s.request_id]
             if s.embed:
                 self._pool_hidden(live, out.hidden[r])
                 continue
             if chunk.samples:
-                tok = out.greedy.get(r)
+                tok = greedy.get(r)
                 if tok is None:
                     tok = sample(out.logits[r], s.params, position=s.num_tokens)
                 s.output_ids.append(tok)
@@ -187,11 +190,11 @@ class EngineCore:
             self._release(live)
 
     def _finish_reason(self, s: Stream) -> str | None:
-        p = s.params
-        last = s.output_ids[-1]
-        if (not p.ignore_eos and last in self.model_config.eos_token_ids) or last in p.stop_token_ids:
+        p, out = s.params, s.output_ids
+        last = out[-1]
+        if (not p.ignore_eos and last in self._eos) or last in p.stop_token_ids:
             return "stop"
-        if p.max_tokens is not None and s.num_generated >= p.max_tokens:
+        if p.max_tokens is not None and len(out) >= p.max_tokens:
             return "length"
         if s.num_tokens >= self.max_context:
             return "length"

@@ -71,9 +71,13 @@ class Detokenizer:
     that fails is caught (the window's context text changed) and decoded whole.
     """
 
-    def __init__(self, tokenizer, stop: tuple[str, ...]) -> None:
+    def __init__(self, tokenizer, stop: tuple[str, ...],
+                 pieces: dict[int, str] | None = None) -> None:
+        """pieces: the text of single ids decoded alone, filled as they are met; detokenizers
+        of one tokenizer may share it (it holds at most one entry per vocabulary id)."""
         self.tokenizer = tokenizer
         self.stop = stop
+        self._pieces = {} if pieces is None else pieces
         self.max_stop = max((len(s) for s in stop), default=0)
         self.emitted = 0  # characters of text already handed out
         self.stopped = False
@@ -88,6 +92,11 @@ class Detokenizer:
         self._len = 0
 
     def text_of(self, ids: list[int]) -> str:
+        if len(ids) == 1:  # a token's text alone: every step needs one (see _step)
+            text = self._pieces.get(ids[0])
+            if text is None:
+                text = self._pieces[ids[0]] = self.tokenizer.decode(ids, skip_special_tokens=True)
+            return text
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _tail(self, ids: list[int]) -> str:
@@ -116,17 +125,27 @@ class Detokenizer:
             if not final:
                 while keep and view[keep - 1] == "\ufffd":  # an incomplete UTF-8 sequence
                     keep -= 1
-                # a possible stop-string prefix (never reaches before _base: see _trim)
-                for n in range(min(self.max_stop - 1, base + keep), 0, -1):
-                    if any(s.startswith(view[keep - n: keep]) for s in self.stop):
-                        keep -= n
-                        break
+                if self.stop:  # hold a possible stop-string prefix (never before _base: _trim)
+                    keep -= self._stop_prefix(view[keep - min(self.max_stop - 1, base + keep): keep])
         out = view[self.emitted - base: keep] if base + keep > self.emitted else ""
         if hit < 0 and tail and not tail.endswith("\ufffd"):
             self._anchor, self._anchor_text = self._commit, self.text_of(ids[self._commit:])
             self._commit = len(ids)
             self._text, self._len = view, self._len + len(tail)
         return out, base + keep, hit >= 0
+
+    def _stop_prefix(self, tail: str) -> int:
+        """The longest n such that tail[-n:] begins a stop string (0: none)."""
+        best = 0
+        for s in self.stop:
+            # tail[j:] can begin s only where s[0] is; the first such j gives s's longest
+            j = tail.find(s[0])
+            while 0 <= j < len(tail) - best:
+                if s.startswith(tail[j:]):
+                    best = len(tail) - j
+                    break
+                j = tail.find(s[0], j + 1)
+        return best
 
     def _trim(self) -> None:
         """Drop text that is handed out and can no longer be part of a new stop string.

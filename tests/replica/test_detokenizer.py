@@ -136,3 +136,12 @@ def test_a_long_output_decodes_a_bounded_window_per_token():
     for n in range(1, len(ids) + 1):
         assert detok.delta(ids[:n], final=n == len(ids)) == ref.delta(ids[:n], n == len(ids))
     assert len(ids) > 500 and max(seen) <= 8
+
+
+@settings(max_examples=500, deadline=None)
+@given(tail=st.text(alphabet="ab\ufffdé ", max_size=12),
+       stop=st.lists(st.text(alphabet="ab\ufffdé ", min_size=1, max_size=8), min_size=1, max_size=3))
+def test_stop_prefix_is_the_longest_tail_suffix_that_begins_a_stop_string(tail, stop):
+    want = next((n for n in range(len(tail), 0, -1)
+                 if any(s.startswith(tail[len(tail) - n:]) for s in stop)), 0)
+    assert Detokenizer(ByteTokenizer(320), tuple(stop))._stop_prefix(tail) == want
