@@ -168,10 +168,11 @@ class ModelRunner:
         """logits [R, vocab] fp32 and argmax [R] int64 on one device, R >= L = len(sample_chunks):
         row i < L belongs to chunk sample_chunks[i] (the rows after it are padding)."""
         row_of = {r: i for i, r in enumerate(sample_chunks)}
-        greedy_rows = [i for i, r in enumerate(sample_chunks)
-                       if record.chunks[r].stream.params.greedy]
-        host_rows = [i for i, r in enumerate(sample_chunks)
-                     if not record.chunks[r].stream.params.greedy]
+        chunks = record.chunks
+        greedy_rows: list[int] = []
+        host_rows: list[int] = []
+        for i, r in enumerate(sample_chunks):
+            (greedy_rows if chunks[r].stream.params.greedy else host_rows).append(i)
         n = len(sample_chunks)
         if logits.device.type == "cpu":
             ids = argmax[:n]

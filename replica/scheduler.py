@@ -100,8 +100,14 @@ class Scheduler:
         chunks: list[Chunk] = []
         preempted: list[Stream] = []
         exhausted: list[Stream] = []
-        decodes = [s for s in self.running if s.num_tokens - s.num_computed == 1]
-        prefills = [s for s in self.running if s.num_tokens - s.num_computed > 1]
+        decodes: list[Stream] = []
+        prefills: list[Stream] = []
+        for s in self.running:
+            left = s.num_tokens - s.num_computed
+            if left == 1:
+                decodes.append(s)
+            elif left > 1:
+                prefills.append(s)
         for s in decodes + prefills:
             if budget == 0:
                 break
@@ -131,8 +137,8 @@ class Scheduler:
             self.running.append(s)
             chunks.append(Chunk(s, s.num_computed, s.num_computed + n))
             budget -= n
-        # a stream preempted after it was scheduled (by an older one needing blocks) drops out
-        chunks = [c for c in chunks if c.stream not in preempted]
+        if preempted:  # a stream preempted after it was scheduled (by an older one) drops out
+            chunks = [c for c in chunks if c.stream not in preempted]
         return StepRecord(tuple(chunks), tuple(preempted), tuple(exhausted))
 
     def _claim_session(self, s: Stream) -> None:
