@@ -4,15 +4,17 @@ N streams decode together (all prompts prefilled first); each timed step is spli
   schedule  Scheduler.schedule()
   build     ModelRunner.build: the eager path's inputs (what a CPU step, or a GPU step that
             is not a pure decode, builds)
-  stage     the decode graph's input staging (replica/graphs.py) run into ordinary CPU tensors
-            on the same record: the inputs a GPU decode step builds instead of `build`
+  stage     what a GPU decode step does instead of `build`, run on the same record: picking the
+            graph (DecodeGraphs.accepts, key) and staging its inputs, into ordinary CPU tensors
   forward   the rest of runner.execute: the model and the greedy argmax (device work, which a
             decode graph does on the GPU; not host time, shown for scale)
   pick      ModelRunner._pick: greedy ids and logits rows out of the forward
   post      everything step() does after execute: sampling, detokenizing, finish checks, events
 On a GPU, a decode step's host time is schedule + stage + pick + post ("host gpu" below); on
 CPU it is schedule + build + pick + post ("host cpu"). Medians over the timed steps (the mean
-is in the JSON). Not a test.
+is in the JSON). Here the host phases run right after a CPU forward has streamed the weights
+through the caches, so their absolute times (most of all at 1 stream) exceed a GPU host's;
+compare trees by running both here. Not a test.
 
     python -m bench.host_step [--streams 1,8,64] [--steps 24] [--json out.json]
     python -m bench.host_step --profile 64      # cProfile of the host functions instead
@@ -41,29 +43,30 @@ TEXT = ("The history of the lighthouse begins with fires lit on hills to guide s
 
 
 class StageInputs:
-    """The decode graph's input staging for each (batch, width) bucket, into CPU tensors."""
+    """What a GPU decode step does on the host instead of `build`: DecodeGraphs.accepts and key
+    (with fast prefill on, as on CUDA), then the graph's input staging, into CPU tensors per
+    (batch, width) bucket instead of its pinned buffers (no copies to a device)."""
 
     def __init__(self, core: EngineCore) -> None:
-        self.core = core
+        from replica import graphs
+
+        self.graphs = graphs.DecodeGraphs(core.model, core.kv, True, core.runner.tables)
+        self.block_size = core.config.block_size
+        self._stage = getattr(graphs, "stage_decode", None)
         self._bufs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, record) -> None:
-        from replica import graphs
-
-        chunks = record.chunks
-        if not chunks or not all(c.end - c.start == 1 and c.samples for c in chunks):
+        if not record.chunks or not self.graphs.accepts(record):
             return
-        key = graphs.DecodeGraphs.key_for(len(chunks), max(len(c.stream.block_table) for c in chunks))
-        b, w = key
+        key = b, w = self.graphs.key(record)
         bufs = self._bufs.get(key)
         if bufs is None:
             bufs = self._bufs[key] = (torch.zeros(3, b, dtype=torch.int64),
                                       torch.zeros(b + b * w, dtype=torch.int32))
-        stage = getattr(graphs, "stage_decode", None)
-        if stage is not None:
-            stage(record, self.core.config.block_size, self.core.runner.tables, *bufs)
+        if self._stage is not None:
+            self._stage(record, self.block_size, self.graphs.tables, *bufs)
         else:  # trees from before stage_decode: _Graph.load's loop, verbatim, minus the copies
-            _graph_load(record, self.core.config.block_size, self.core.runner.tables, *bufs, b, w)
+            _graph_load(record, self.block_size, self.graphs.tables, *bufs, b, w)
 
 
 def _graph_load(record, block_size, tables, ints, ctx, b, w) -> None:
