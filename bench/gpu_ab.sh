@@ -15,7 +15,7 @@ python -c "import torch, triton; print('torch', torch.__version__, 'triton', tri
 
 if [ -n "${KERNEL_TESTS-1}" ]; then
   stamp "kernel tests"
-  timeout "${T_TESTS:-200}" python -m pytest -q -x tests/kernels/test_gpu.py \
+  timeout "${T_TESTS:-200}" python -m pytest -q -n 0 -x tests/kernels/test_gpu.py \
     -k "not engine and not stream_alone" 2>&1 | tail -15
 fi
 
@@ -40,7 +40,7 @@ fi
 
 if [ -n "${ENGINE_TESTS-1}" ]; then
   stamp "engine: a stream alone vs among 1..64 others, bitwise; CUDA engine tests"
-  timeout "${T_ENGINE_TESTS:-300}" python -m pytest -q tests/kernels/test_gpu.py tests/replica/test_cuda.py \
+  timeout "${T_ENGINE_TESTS:-300}" python -m pytest -q -n 0 tests/kernels/test_gpu.py tests/replica/test_cuda.py \
     -k "engine or stream_alone or cuda" 2>&1 | tail -15
 fi
 

@@ -34,7 +34,7 @@ from kernels.triton_q4 import (q4_rows, q4_splits, split_load_sum, split_range, 
                                split_store, split_ticket)
 
 EXPERT_TILE = TileConfig(bm=16, bn=32, bk=128, warps=4, stages=2)  # f32/q8 experts
-CHUNK_TOKENS = 512  # tokens per expert pass: bounds the split-K partials of a long prefill
+CHUNK_TOKENS = 512  # tokens per pass of split programs: bounds their split-K partials
 # from this many tokens one program runs all K splits of its q4 expert tile (no partials in
 # memory), and from WIDE_MIN_TOKENS the row tile widens: the same bits, so free thresholds
 SEQ_MIN_TOKENS = 8
@@ -58,6 +58,16 @@ def _slot_ptrs(w_ptr, s_ptr, arows_ptr, expert, stride_we, stride_se, T):
     e = expert.to(tl.int64)
     arows = arows_ptr + tl.program_id(0).to(tl.int64) * T
     return w_ptr + e * stride_we, s_ptr + e * stride_se, arows
+
+
+@triton.jit
+def _m_tiles(parallel: tl.constexpr, BM: tl.constexpr):
+    """(first row, row step) of the slot's BM-row tiles this program finishes: all of them
+    when grid axis 2 is the K split; else axis 2 deals the tiles out (a long prefill's busy
+    expert runs on many programs, not one)."""
+    if parallel:
+        return 0, BM
+    return tl.program_id(2) * BM, tl.num_programs(2) * BM
 
 
 @triton.jit
@@ -124,7 +134,8 @@ def _moe_gate_up_kernel(x_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, inter_ptr, ws_
                         valid[:, None] & n_mask[None, :], split_stride)
         last = split_ticket(tickets_ptr, ticket, S)
     if last:
-        for m0 in range(0, count, BM):
+        m_lo, m_step = _m_tiles(parallel, BM)
+        for m0 in range(m_lo, count, m_step):
             rows, valid = _slot_rows(arows, m0, count, BM)
             if parallel:
                 acc = split_load_sum(ws_ptr, rows.to(tl.int64)[:, None] * (2 * I) + offs_n[None, :],
@@ -169,7 +180,8 @@ def _moe_down_kernel(inter_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, y_ptr, ws_ptr
                         valid[:, None] & n_mask[None, :], split_stride)
         last = split_ticket(tickets_ptr, ticket, S)
     if last:
-        for m0 in range(0, count, BM):
+        m_lo, m_step = _m_tiles(parallel, BM)
+        for m0 in range(m_lo, count, m_step):
             rows, valid = _slot_rows(arows, m0, count, BM)
             offs = rows.to(tl.int64)[:, None] * N + offs_n[None, :]
             mask = valid[:, None] & n_mask[None, :]
@@ -210,16 +222,20 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
                     seq: bool | None = None) -> None:
     """y [T*k, hidden] ← expert(ids[t, r]) applied to x[t], row a = t*k + r; inter [T*k, I]
     (float16 for q4/q8 experts: the down GEMM rounds it to fp16 anyway, so the bits are the
-    same and its bytes half). Tokens go CHUNK_TOKENS per pass (a token's bits do not depend
-    on its pass). tile: the f32/q8 TileConfig, or a q4 Q4Tile with the BK the experts were
-    stacked for (default: theirs, its rows widened to WIDE_TILE's from WIDE_MIN_TOKENS
-    tokens); seq: whether one program runs all K splits of a q4 expert tile (default: from
-    SEQ_MIN_TOKENS tokens). Neither changes a bit (kernels/triton_q4.py `plan`)."""
+    same and its bytes half). tile: the f32/q8 TileConfig, or a q4 Q4Tile with the BK the
+    experts were stacked for (default: theirs, its rows widened to WIDE_TILE's from
+    WIDE_MIN_TOKENS tokens); seq: whether one program runs all K splits of a q4 expert tile
+    (default: from SEQ_MIN_TOKENS tokens). Neither changes a bit (kernels/triton_q4.py
+    `plan`). Split programs take the tokens CHUNK_TOKENS per pass (their partials are
+    bounded; a token's bits do not depend on its pass); otherwise all go in one pass."""
     t, top_k = ids.shape
     if (inter.shape[0], y.shape[0]) != (t * top_k, t * top_k):
         raise ValueError("inter [T*k, I] and y [T*k, hidden] expected")
-    for t0 in range(0, max(t, 1), CHUNK_TOKENS):
-        t1 = min(t, t0 + CHUNK_TOKENS)
+    seq = seq if seq is not None else t >= SEQ_MIN_TOKENS
+    parallel = not seq and experts.gu_split * experts.down_split > 1
+    step = CHUNK_TOKENS if parallel else max(t, 1)
+    for t0 in range(0, max(t, 1), step):
+        t1 = min(t, t0 + step)
         _experts_pass(x[t0:t1], ids[t0:t1], experts, inter[t0 * top_k:t1 * top_k],
                       y[t0 * top_k:t1 * top_k], tile, seq)
 
@@ -238,7 +254,6 @@ def _experts_pass(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
     if tk == 0:
         return
     fmt = FMT_CODES[experts.fmt]
-    seq = seq if seq is not None else t >= SEQ_MIN_TOKENS
     if experts.fmt == "q4":
         tile = tile or (replace(experts.tile, bm=q4_layout.WIDE_TILE.bm)
                         if t >= WIDE_MIN_TOKENS else experts.tile)
@@ -256,8 +271,11 @@ def _experts_pass(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
             return y, y  # never touched
         return torch.empty(split, tk, n, dtype=torch.float32, device=dev), tickets
 
-    def splits(split: int) -> int:  # programs per (slot, n-tile)
-        return 1 if seq else split
+    def splits(split: int) -> int:  # programs per (slot, n-tile): K splits, or row tiles
+        if not seq and split > 1:
+            return split
+        # about twice an expert's average row tiles: a busy expert's tiles are dealt out
+        return triton.cdiv(2 * tk, experts.num_experts * tile.bm) if t >= WIDE_MIN_TOKENS else 1
 
     def strides(w, s):  # (expert, row) strides of the f32/q8 stacks; q4 kernels ignore the row ones
         return w.stride(0), w.stride(1), s.stride(0), s.stride(1) if s.dim() == 3 else 0

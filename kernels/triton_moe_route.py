@@ -22,7 +22,7 @@ from kernels.triton_linear import TileConfig, linear
 from kernels.triton_pdl import pdl_wait
 
 ROUTER_TILE = TileConfig(bm=16, bn=16, bk=256, warps=4, stages=2)  # f32/q8 routers: many programs
-SCAN = 64  # assignments examined per step when grouping (fixed)
+SCAN = 256  # assignments examined per step when grouping
 
 
 # ---- device code ------------------------------------------------------------------------------
@@ -76,15 +76,14 @@ def _moe_align_kernel(ids_ptr, meta_ptr, rows_ptr, TK, T, TOPK: tl.constexpr,
     increasing order; the last active expert writes meta[0] = number of active experts."""
     pdl_wait(PDL)
     e = tl.program_id(0)
-    ev = tl.arange(0, E_PAD)
-    counts = tl.zeros((E_PAD,), tl.int32)
+    ev = tl.arange(0, 2 * E_PAD)  # bins: the experts, then E_PAD.. for masked lanes
+    counts = tl.zeros((2 * E_PAD,), tl.int32)
     for c0 in range(0, TK, SCAN):
         a = c0 + tl.arange(0, SCAN)
-        ids = tl.load(ids_ptr + a, mask=a < TK, other=-1)
-        counts += tl.sum((ids[None, :] == ev[:, None]).to(tl.int32), axis=1)
+        counts += tl.histogram(tl.load(ids_ptr + a, mask=a < TK, other=E_PAD), 2 * E_PAD)
     mine = tl.sum(tl.where(ev == e, counts, 0), axis=0)
     if mine > 0:
-        active = counts > 0
+        active = (counts > 0) & (ev < E_PAD)
         rank = tl.sum((active & (ev < e)).to(tl.int32), axis=0)
         n_active = tl.sum(active.to(tl.int32), axis=0)
         tl.store(meta_ptr + 1 + 2 * rank, e)
@@ -170,7 +169,7 @@ def combine(y: torch.Tensor, wts: torch.Tensor, out: torch.Tensor,
         raise ValueError("combine: residual like out")
     if t:
         res = residual if residual is not None else out
-        block = 1024
+        block = 256  # 8 programs a token at hidden 2048: a 64-token step is 512 programs
         _moe_combine_kernel[(t, triton.cdiv(n, block))](
             y, wts, res, out, n, y.stride(0), res.stride(0), out.stride(0), TOPK=top_k,
             HAS_RES=residual is not None, BLOCK=block, **triton_pdl.launch(y))

@@ -176,8 +176,9 @@ def test_moe_at_real_shapes_and_bitwise_alone_vs_among_64():
 
 
 def test_long_prefills_split_into_launches_change_no_bits(monkeypatch):
-    """Split weights take SPLIT_ROWS rows per launch and the experts CHUNK_TOKENS tokens per
-    pass (bounded partials): a row's bits are those of one launch."""
+    """Split programs take SPLIT_ROWS rows per launch and the experts' CHUNK_TOKENS tokens per
+    pass (bounded partials): a row's bits are those of one launch (of the one-program splits,
+    for the experts at 100 tokens)."""
     router, experts, stacked = real_moe()
     g = torch.Generator(DEV).manual_seed(6)
     x = torch.randn(100, 2048, generator=g, device=DEV)
@@ -186,6 +187,7 @@ def test_long_prefills_split_into_launches_change_no_bits(monkeypatch):
     whole_moe = _moe(x, router, stacked)[2]
     monkeypatch.setattr(q4_layout, "SPLIT_ROWS", 32)
     monkeypatch.setattr(triton_moe, "CHUNK_TOKENS", 24)
+    monkeypatch.setattr(triton_moe, "SEQ_MIN_TOKENS", 1 << 30)
     assert torch.equal(triton_linear.linear(lin, x, nan(100, 5120)), whole_lin)
     assert torch.equal(_moe(x, router, stacked)[2], whole_moe)
 

@@ -279,26 +279,35 @@ def test_moe_token_is_bitwise_independent_of_its_batch(hidden, inter, monkeypatc
         # on the GPU, tests/kernels/test_gpu.py; numpy's BLAS here may move a last bit with a
         # row's position in its tile)
         monkeypatch.setattr(triton_moe, "CHUNK_TOKENS", 8)
+        monkeypatch.setattr(triton_moe, "SEQ_MIN_TOKENS", 1 << 30)  # split programs chunk
         assert rel_err(_moe(x, router, stacked, 2)[2], out.double()) < 1e-6
 
 
-def test_moe_one_program_per_expert_tile_gives_the_bits_of_the_split_programs():
+def test_moe_one_program_per_expert_tile_gives_the_bits_of_the_split_programs(monkeypatch):
     """Both q4 expert GEMMs split K in four; seq runs the four splits in one program: the
-    same bits, which lets a big batch take it while a lone token keeps the split programs."""
+    same bits, which lets a big batch take it while a lone token keeps the split programs.
+    Long prefills also deal an expert's row tiles out to several programs: the same bits."""
     g = gen(11)
     router, experts, stacked = _moe_setup("q4", g, hidden=256, inter=256)
     assert (stacked.gu_split, stacked.down_split) == (4, 4)
-    x = torch.randn(9, 256, generator=g)
-    ids, wts = torch.full((9, 2), -5, dtype=torch.int32), nan(9, 2)
+    t = 48
+    x = torch.randn(t, 256, generator=g)
+    ids, wts = torch.full((t, 2), -5, dtype=torch.int32), nan(t, 2)
     triton_moe_route.route(x, router, 2, True, ids, wts)
-    outs = []
-    for seq in (False, True):
-        inter, y = nan(18, 256).to(torch.float16), nan(18, 256)
+    assert torch.bincount(ids.flatten().long()).max() > 16  # an expert has two row tiles
+
+    def run(seq):
+        inter, y = nan(2 * t, 256).to(torch.float16), nan(2 * t, 256)
         triton_moe.experts_forward(x, ids, stacked, inter, y, seq=seq)
-        outs.append((inter, y))
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-    assert torch.isfinite(outs[1][1]).all()
-    assert not stacked.gu_tickets.any() and not stacked.down_tickets.any()
+        assert not stacked.gu_tickets.any() and not stacked.down_tickets.any()
+        return inter, y
+
+    split = run(False)
+    monkeypatch.setattr(triton_moe, "WIDE_MIN_TOKENS", 16)  # the tiles dealt out ...
+    monkeypatch.setattr(q4_layout, "WIDE_TILE", q4_layout.Q4Tile())  # ... 16 rows each
+    inter, y = run(True)  # (one program per tile without dealing: the batch-invariance test)
+    assert torch.equal(inter, split[0]) and torch.equal(y, split[1])
+    assert torch.isfinite(y).all()
 
 
 # ---- the fused CUDA forward, interpreted, vs the CPU engine ----------------------------------------
