@@ -30,6 +30,7 @@ from collections import defaultdict
 
 import torch
 
+from replica import graphs
 from replica.config import EngineConfig
 from replica.core import EngineCore
 from replica.request import Request
@@ -48,8 +49,6 @@ class StageInputs:
     (batch, width) bucket instead of its pinned buffers (no copies to a device)."""
 
     def __init__(self, core: EngineCore) -> None:
-        from replica import graphs
-
         self.graphs = graphs.DecodeGraphs(core.model, core.kv, True, core.runner.tables)
         self.block_size = core.config.block_size
         self._stage = getattr(graphs, "stage_decode", None)
