@@ -50,6 +50,9 @@ for mode in ${ENGINE_MODES-pdl nopdl}; do  # nopdl: plain launches; splitrows: v
 import sys
 from kernels import q4_layout, triton_moe, triton_pdl
 triton_pdl.ENABLED = 'nopdl' not in '$mode'
+if 'minpos512' in '$mode':  # prompt positions below 512 on the paged kernel (v7)
+    from kernels import prefill
+    prefill.MIN_POSITION = 512
 if 'splitrows' in '$mode':  # every batch size on the decode tile with parallel K splits (v7)
     q4_layout.SEQ_MIN_ROWS = q4_layout.WIDE_MIN_ROWS = 1 << 30
     triton_moe.SEQ_MIN_TOKENS = triton_moe.WIDE_MIN_TOKENS = 1 << 30

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 PIECE = 256  # query positions per attention call (fixed: a property of the path, not the batch)
-MIN_POSITION = 512  # prompt positions below this attend through the paged kernel
+MIN_POSITION = 256  # prompt positions below this attend through the paged kernel (GPU_NOTES v8)
 
 
 def compute_dtype(cache_dtype: torch.dtype, device: torch.device) -> torch.dtype:
