@@ -160,13 +160,20 @@ def bench_moe(copy_gbs: float, ts, tiles, variants) -> list[dict]:
     return rows
 
 
+def routed_tokens(t: int, router, g) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """t random tokens of the 30B preset's MoE layer and their top-8 routing:
+    (x [t, 2048], ids [t, 8] int32, wts [t, 8])."""
+    x = torch.randn(t, 2048, generator=g, device=DEV)
+    ids = torch.empty(t, 8, dtype=torch.int32, device=DEV)
+    wts = torch.empty(t, 8, device=DEV)
+    triton_moe_route.route(x, router, 8, True, ids, wts)
+    return x, ids, wts
+
+
 def _bench_moe_tile(copy_gbs: float, ts, router, layers, g, mode: str) -> list[dict]:
     rows = []
     for t in ts:
-        x = torch.randn(t, 2048, generator=g, device=DEV)
-        ids = torch.empty(t, 8, dtype=torch.int32, device=DEV)
-        wts = torch.empty(t, 8, device=DEV)
-        triton_moe_route.route(x, router, 8, True, ids, wts)
+        x, ids, wts = routed_tokens(t, router, g)
         touched = int(torch.unique(ids).numel())
         router_bytes = router.qs.nbytes + router.sm.nbytes
         nbytes = touched * layers[0].expert_nbytes() + router_bytes

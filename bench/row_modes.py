@@ -15,8 +15,8 @@ import json
 
 import torch
 
-from bench.kernel_bench import copy_bandwidth, rand_q4, timed
-from kernels import q4_layout, triton_linear, triton_moe, triton_moe_route, triton_q4
+from bench.kernel_bench import copy_bandwidth, rand_q4, routed_tokens, timed
+from kernels import q4_layout, triton_linear, triton_moe, triton_q4
 from kernels.moe_layout import StackedExperts
 from kernels.q4_layout import Q4Tile
 
@@ -46,8 +46,8 @@ def linear_modes(copy_gbs: float, ms_list, tiles) -> list[dict]:
                                    tile=q4_layout.LINEAR_TILE, seq=False)
             modes = [("split", q4_layout.LINEAR_TILE, False), ("seq", q4_layout.LINEAR_TILE, True)]
             modes += [(f"{t.name} seq", t, True) for t in tiles]
-            modes.append(("plan " + "/".join(f"{t.bm}{'s' if s else 'p'}" for t, s in
-                                             [triton_q4.plan(lin, m)]), None, None))
+            plan_tile, plan_seq = triton_q4.plan(lin, m)  # what the engine runs: 32s = 32 rows, seq
+            modes.append((f"plan {plan_tile.bm}{'s' if plan_seq else 'p'}", None, None))
             for label, tile, seq in modes:
                 out = torch.empty(m, n, device=DEV)
                 fn = lambda: triton_q4.linear(lin, x, out, tile=tile, seq=seq)  # noqa: E731
@@ -55,7 +55,6 @@ def linear_modes(copy_gbs: float, ms_list, tiles) -> list[dict]:
                 same = ms == ms and torch.equal(out, ref)
                 rows.append(_row("linear", name, m, label, ms, nbytes + 4 * m * (k + n),
                                  2 * m * n * k, copy_gbs, same))
-        del lin
     return rows
 
 
@@ -66,10 +65,7 @@ def moe_modes(copy_gbs: float, ts, tiles) -> list[dict]:
                                          for _ in range(128)))
     rows = []
     for t in ts:
-        x = torch.randn(t, 2048, generator=g, device=DEV)
-        ids = torch.empty(t, 8, dtype=torch.int32, device=DEV)
-        wts = torch.empty(t, 8, device=DEV)
-        triton_moe_route.route(x, router, 8, True, ids, wts)
+        x, ids, _ = routed_tokens(t, router, g)
         nbytes = int(torch.unique(ids).numel()) * stacked.expert_nbytes()
         flops = 2 * t * 8 * 3 * 2048 * 768
         ref = None
