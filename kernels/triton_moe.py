@@ -78,15 +78,6 @@ def _slot_rows(arows, m0, count, BM: tl.constexpr):
 
 
 @triton.jit
-def _expert_rows(x_ptr, rows, valid, stride_x, w_e, s_e, n0, n_mask, N, K, k_lo, k_hi, stride_w,
-                 stride_s, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, ASM: tl.constexpr):
-    """[BM, BN] = x[rows] @ W_e[n0 : n0 + BN].T over k in [k_lo, k_hi) (q4 only)."""
-    return q4_rows(x_ptr, rows, valid, stride_x, w_e, s_e, n0, n_mask, N, k_lo, k_hi, BM, BN,
-                   BK // 32, ASM)
-
-
-@triton.jit
 def _expert_all(x_ptr, rows, valid, stride_x, w_e, s_e, n0, n_mask, N, K, stride_w, stride_s,
                 FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                 S: tl.constexpr, ASM: tl.constexpr):
@@ -128,8 +119,8 @@ def _moe_gate_up_kernel(x_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, inter_ptr, ws_
     if parallel:
         for m0 in range(0, count, BM):
             rows, valid = _slot_rows(arows, m0, count, BM)
-            acc = _expert_rows(x_ptr, rows // TOPK, valid, stride_x, w_e, s_e, pid_n * BN, n_mask,
-                               2 * I, K, k_lo, k_hi, stride_w, stride_s, FMT, BM, BN, BK, ASM)
+            acc = q4_rows(x_ptr, rows // TOPK, valid, stride_x, w_e, s_e, pid_n * BN, n_mask,
+                          2 * I, k_lo, k_hi, BM, BN, BK // 32, ASM)  # S > 1: q4 only
             split_store(acc, ws_ptr, rows.to(tl.int64)[:, None] * (2 * I) + offs_n[None, :],
                         valid[:, None] & n_mask[None, :], split_stride)
         last = split_ticket(tickets_ptr, ticket, S)
@@ -174,8 +165,8 @@ def _moe_down_kernel(inter_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, y_ptr, ws_ptr
     if parallel:
         for m0 in range(0, count, BM):
             rows, valid = _slot_rows(arows, m0, count, BM)
-            acc = _expert_rows(inter_ptr, rows, valid, stride_inter, w_e, s_e, pid_n * BN, n_mask,
-                               N, K, k_lo, k_hi, stride_w, stride_s, FMT, BM, BN, BK, ASM)
+            acc = q4_rows(inter_ptr, rows, valid, stride_inter, w_e, s_e, pid_n * BN, n_mask,
+                          N, k_lo, k_hi, BM, BN, BK // 32, ASM)  # S > 1: q4 only
             split_store(acc, ws_ptr, rows.to(tl.int64)[:, None] * N + offs_n[None, :],
                         valid[:, None] & n_mask[None, :], split_stride)
         last = split_ticket(tickets_ptr, ticket, S)
@@ -241,7 +232,7 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
 
 
 def _experts_pass(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
-                  inter: torch.Tensor, y: torch.Tensor, tile, seq: bool | None) -> None:
+                  inter: torch.Tensor, y: torch.Tensor, tile, seq: bool) -> None:
     t, top_k = ids.shape
     tk = t * top_k
     check_x(x, experts.hidden)
