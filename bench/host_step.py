@@ -14,7 +14,7 @@ On a GPU, a decode step's host time is schedule + stage + pick + post ("host gpu
 CPU it is schedule + build + pick + post ("host cpu"). Medians over the timed steps (the mean
 is in the JSON). Here the host phases run right after a CPU forward has streamed the weights
 through the caches, so their absolute times (most of all at 1 stream) exceed a GPU host's;
-compare trees by running both here. Not a test.
+compare trees (from 2542fc0 on: graphs.stage_decode) by running both here. Not a test.
 
     python -m bench.host_step [--streams 1,8,64] [--steps 24] [--json out.json]
     python -m bench.host_step --profile 64      # cProfile of the host functions instead
@@ -51,7 +51,6 @@ class StageInputs:
     def __init__(self, core: EngineCore) -> None:
         self.graphs = graphs.DecodeGraphs(core.model, core.kv, True, core.runner.tables)
         self.block_size = core.config.block_size
-        self._stage = getattr(graphs, "stage_decode", None)
         self._bufs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, record) -> None:
@@ -62,28 +61,7 @@ class StageInputs:
         if bufs is None:
             bufs = self._bufs[key] = (torch.zeros(3, b, dtype=torch.int64),
                                       torch.zeros(b + b * w, dtype=torch.int32))
-        if self._stage is not None:
-            self._stage(record, self.block_size, self.graphs.tables, *bufs)
-        else:  # trees from before stage_decode: _Graph.load's loop, verbatim, minus the copies
-            _graph_load(record, self.block_size, self.graphs.tables, *bufs, b, w)
-
-
-def _graph_load(record, block_size, tables, ints, ctx, b, w) -> None:
-    n = len(record.chunks)
-    toks, pos, slots = [], [], []
-    ctx.zero_()
-    rows = ctx[b:].view(b, w)
-    for i, c in enumerate(record.chunks):
-        s, p = c.stream, c.start
-        table = s.block_table
-        toks.extend(s.token_slice(p, p + 1))
-        pos.append(p)
-        slots.append(table[p // block_size] * block_size + p % block_size)
-        rows[i, : len(table)] = tables.get(s)
-    ints[:, n:] = 0
-    ints[2, n:] = -1
-    ints[:, :n] = torch.tensor([toks, pos, slots], dtype=torch.int64)
-    ctx[:n] = torch.tensor(pos, dtype=torch.int32) + 1
+        graphs.stage_decode(record, self.block_size, self.graphs.tables, *bufs)
 
 
 class PhaseClock:
