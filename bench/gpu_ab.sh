@@ -35,7 +35,7 @@ fi
 
 if [ -n "${PROFILE-}" ]; then  # bench/gpu_profile.py: kernel times of prefill and decode steps
   stamp "step profile"
-  timeout "${T_PROFILE:-200}" python -m bench.gpu_profile --json "$OUT/profile.json" 2>&1 | grep -v Warning
+  timeout "${T_PROFILE:-200}" python -m bench.gpu_profile ${PROFILE_ARGS-} --json "$OUT/profile.json" 2>&1 | grep -v Warning
 fi
 
 if [ -n "${ENGINE_TESTS-1}" ]; then
@@ -59,7 +59,7 @@ if 'splitrows' in '$mode':  # every batch size on the decode tile with parallel 
 from cli.main import main
 sys.exit(main(['bench', 'engine', '--model', 'synthetic:qwen3-30b-a3b-int4', '--device', 'cuda',
                '--context', '${CONTEXT:-128,2048}', '--streams', '${STREAMS:-1,64}',
-               '--max-tokens', '64', '--json', '$OUT/engine_$mode.json']))
-" 2>&1 | grep -v Warning | tail -12
+               '--max-tokens', '${MAX_TOKENS:-64}', '--json', '$OUT/engine_$mode${TAG-}.json']))
+" 2>&1 | grep -v Warning | tail -${TAIL:-16}
 done
 stamp done

@@ -4,7 +4,7 @@ default EngineConfig — a prefill step of PROMPTS x PROMPT_LEN tokens, and deco
 64 streams. Prints, per scenario, each kernel's µs per step, calls and share; writes JSON. The
 kernel times are the GPU's own; the eager launch gaps between them are not in the shares.
 
-    python -m bench.gpu_profile [--prompts 8 --prompt-len 512] [--json out.json]
+    python -m bench.gpu_profile [--prompts 8 --prompt-len 512] [--no-pdl] [--json out.json]
 """
 
 from __future__ import annotations
@@ -65,7 +65,13 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (CPU ops, not kernels)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="plain launches: each kernel's time is its own, without the wait for "
+                         "its predecessor that programmatic dependent launch puts inside it")
     args = ap.parse_args()
+    if args.no_pdl:
+        from kernels import triton_pdl
+        triton_pdl.ENABLED = False
     core = EngineCore(EngineConfig(model=args.model, device=args.device))
     core.runner.graphs = None  # eager: each kernel is its own profiler event
     results = []
