@@ -30,7 +30,7 @@ fi
 if [ -n "${ROW_MODES-}" ]; then  # bench/row_modes.py: split / seq / wide row tiles, bits
   stamp "row modes"
   timeout "${T_ROWS:-240}" python -m bench.row_modes --tiles "${ROW_TILES:-32x64x64w1s3,32x32x64w1s3,64x64x64w4s3,128x64x64w4s3}" \
-    --json "$OUT/row_modes.json" 2>&1 | grep -v Warning
+    ${ROW_ARGS-} --json "$OUT/row_modes.json" 2>&1 | grep -v Warning
 fi
 
 if [ -n "${PROFILE-}" ]; then  # bench/gpu_profile.py: kernel times of prefill and decode steps
@@ -53,6 +53,10 @@ triton_pdl.ENABLED = 'nopdl' not in '$mode'
 if 'minpos512' in '$mode':  # prompt positions below 512 on the paged kernel (v7)
     from kernels import prefill
     prefill.MIN_POSITION = 512
+if 'nomaxnreg' in '$mode':  # the seq expert kernels at the compiler's register count (v8)
+    triton_moe.SEQ_MAXNREG = None
+if 'wide32' in '$mode':  # the 32-row tile (parallel splits) from 32 rows
+    q4_layout.WIDE_MIN_ROWS = 32
 if 'splitrows' in '$mode':  # every batch size on the decode tile with parallel K splits (v7)
     q4_layout.SEQ_MIN_ROWS = q4_layout.WIDE_MIN_ROWS = 1 << 30
     triton_moe.SEQ_MIN_TOKENS = triton_moe.WIDE_MIN_TOKENS = 1 << 30

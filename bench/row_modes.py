@@ -5,7 +5,7 @@ reference mode's bits (a mode that does not may never be chosen by batch size). 
 row is what the engine runs (kernels/triton_q4.py `plan`, kernels/triton_moe.py). Not a test.
 
     python -m bench.row_modes [--ms 1,8,64,256,1024,4096] [--tiles 32x64x64w1s3,64x64x64w4s3]
-        [--ts 1,2,4,8,16,64,512] [--json out.json]
+        [--ts 1,2,4,8,16,64,512] [--maxnreg 0,128,112] [--json out.json]
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ def linear_modes(copy_gbs: float, ms_list, tiles) -> list[dict]:
             ref = triton_q4.linear(lin, x, torch.empty(m, n, device=DEV),
                                    tile=q4_layout.LINEAR_TILE, seq=False)
             modes = [("split", q4_layout.LINEAR_TILE, False), ("seq", q4_layout.LINEAR_TILE, True)]
+            modes += [(f"{t.name} split", t, False) for t in tiles if t.warps == 1]
             modes += [(f"{t.name} seq", t, True) for t in tiles]
             plan_tile, plan_seq = triton_q4.plan(lin, m)  # what the engine runs: 32s = 32 rows, seq
             modes.append((f"plan {plan_tile.bm}{'s' if plan_seq else 'p'}", None, None))
@@ -58,7 +59,7 @@ def linear_modes(copy_gbs: float, ms_list, tiles) -> list[dict]:
     return rows
 
 
-def moe_modes(copy_gbs: float, ts, tiles) -> list[dict]:
+def moe_modes(copy_gbs: float, ts, tiles, maxnregs) -> list[dict]:
     g = torch.Generator(DEV).manual_seed(1)
     router = triton_linear.to_gpu_format(rand_q4(128, 2048, g))
     stacked = StackedExperts.stack(tuple((rand_q4(1536, 2048, g), rand_q4(2048, 768, g))
@@ -69,14 +70,20 @@ def moe_modes(copy_gbs: float, ts, tiles) -> list[dict]:
         nbytes = int(torch.unique(ids).numel()) * stacked.expert_nbytes()
         flops = 2 * t * 8 * 3 * 2048 * 768
         ref = None
-        modes = [("split", stacked.tile, False), ("seq", stacked.tile, True)]
-        modes += [(f"{tl.name} seq", tl, True) for tl in tiles]
-        modes.append(("plan", None, None))
-        for label, tile, seq in modes:
+        x16 = x.half()  # x as the router's norm would store it in fp16: the same bits
+        modes = [("split", stacked.tile, False, x)]
+        modes += [(f"seq maxnreg {r or '-'}", stacked.tile, True, x, r) for r in maxnregs]
+        modes += [(f"seq x16 maxnreg {r or '-'}", stacked.tile, True, x16, r) for r in maxnregs]
+        modes += [(f"{tl.name} seq", tl, True, x) for tl in tiles]
+        modes.append(("plan", None, None, x))
+        default = triton_moe.SEQ_MAXNREG
+        for label, tile, seq, xin, *reg in modes:
             inter = torch.empty(t * 8, 768, dtype=torch.float16, device=DEV)
             y = torch.empty(t * 8, 2048, device=DEV)
-            fn = lambda: triton_moe.experts_forward(x, ids, stacked, inter, y, tile, seq)  # noqa: E731
+            triton_moe.SEQ_MAXNREG = reg[0] if reg else default
+            fn = lambda: triton_moe.experts_forward(xin, ids, stacked, inter, y, tile, seq)  # noqa: E731
             ms = timed(fn, label)
+            triton_moe.SEQ_MAXNREG = default
             if ref is None:
                 ref = y.clone()
             rows.append(_row("experts", "E128k8", t, label, ms, nbytes, flops, copy_gbs,
@@ -90,13 +97,16 @@ def main() -> None:
     ap.add_argument("--ts", default="1,2,4,8,16,64,512", help="tokens (MoE experts, top-8)")
     ap.add_argument("--tiles", default="32x64x64w1s3,64x64x64w1s3,64x64x64w4s3",
                     help="wide row tiles (BN and BK of the decode tile)")
+    ap.add_argument("--maxnreg", default="0,128,112",
+                    help="register caps of the seq expert kernels (0: the compiler's choice)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     copy_gbs = copy_bandwidth()
     print(f"device copy: {copy_gbs:.0f} GB/s (read + write)", flush=True)
     tiles = [Q4Tile.parse(t) for t in args.tiles.split(",") if t]
     rows = linear_modes(copy_gbs, [int(v) for v in args.ms.split(",")], tiles)
-    rows += moe_modes(copy_gbs, [int(v) for v in args.ts.split(",")], tiles)
+    rows += moe_modes(copy_gbs, [int(v) for v in args.ts.split(",")], tiles,
+                      [int(v) or None for v in args.maxnreg.split(",")])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_gbs": copy_gbs, "rows": rows}, f, indent=1)
