@@ -38,6 +38,12 @@ if [ -n "${PROFILE-}" ]; then  # bench/gpu_profile.py: kernel times of prefill a
   timeout "${T_PROFILE:-200}" python -m bench.gpu_profile ${PROFILE_ARGS-} --json "$OUT/profile.json" 2>&1 | grep -v Warning
 fi
 
+if [ -n "${TIMELINE-}" ]; then  # bench/gpu_timeline.py: per-program phase times of the q4 GEMM
+  stamp "q4 GEMM timelines"
+  timeout "${T_TIMELINE:-120}" python -m bench.gpu_timeline ${TIMELINE_ARGS-} --json "$OUT/timeline.json" 2>&1 | grep -v Warning
+  timeout "${T_TIMELINE:-120}" python -m bench.gpu_timeline ${TIMELINE_ARGS-} --no-pdl --json "$OUT/timeline_nopdl.json" 2>&1 | grep -v Warning
+fi
+
 if [ -n "${ENGINE_TESTS-1}" ]; then
   stamp "engine: a stream alone vs among 1..64 others, bitwise; CUDA engine tests"
   timeout "${T_ENGINE_TESTS:-300}" python -m pytest -q -n 0 tests/kernels/test_gpu.py tests/replica/test_cuda.py \

@@ -70,10 +70,8 @@ def moe_modes(copy_gbs: float, ts, tiles, maxnregs) -> list[dict]:
         nbytes = int(torch.unique(ids).numel()) * stacked.expert_nbytes()
         flops = 2 * t * 8 * 3 * 2048 * 768
         ref = None
-        x16 = x.half()  # x as the router's norm would store it in fp16: the same bits
         modes = [("split", stacked.tile, False, x)]
         modes += [(f"seq maxnreg {r or '-'}", stacked.tile, True, x, r) for r in maxnregs]
-        modes += [(f"seq x16 maxnreg {r or '-'}", stacked.tile, True, x16, r) for r in maxnregs]
         modes += [(f"{tl.name} seq", tl, True, x) for tl in tiles]
         modes.append(("plan", None, None, x))
         default = triton_moe.SEQ_MAXNREG

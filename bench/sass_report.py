@@ -26,7 +26,7 @@ from triton.compiler import ASTSource
 from kernels import q4_layout, triton_q4
 from kernels.q4_layout import Q4Tile
 
-CONSTEXPRS = ("HAS_RES", "BM", "BN", "NB", "S", "SEQ", "ASM", "PDL")
+CONSTEXPRS = ("HAS_RES", "BM", "BN", "NB", "S", "SEQ", "ASM", "PDL", "TRACE")
 # what the runtime specializes for our shapes (multiples of 16): without it every load is scalar
 DIV16 = {"x_ptr", "w_ptr", "sm_ptr", "res_ptr", "y_ptr", "ws_ptr", "tickets_ptr", "N", "K",
          "stride_x"}
@@ -57,13 +57,13 @@ def compile_q4_linear(tile: Q4Tile, arch: int = 90, split: int = 1, pdl: bool = 
         if name in CONSTEXPRS:
             types[name] = "constexpr"
         elif name.endswith("_ptr"):
-            types[name] = {"w_ptr": "*u8", "sm_ptr": "*fp16", "tickets_ptr": "*i32"}.get(name, "*fp32")
+            types[name] = {"w_ptr": "*u8", "sm_ptr": "*fp16", "tickets_ptr": "*i32", "trace_ptr": "*i64"}.get(name, "*fp32")
         else:
             types[name] = "i32"
         if name in DIV16:
             attrs[(i,)] = [["tt.divisibility", 16]]
     consts = dict(HAS_RES=False, BM=tile.bm, BN=tile.bn, NB=tile.nb, S=split, SEQ=seq, ASM=True,
-                  PDL=pdl)
+                  PDL=pdl, TRACE=False)
     return triton.compile(ASTSource(kern, types, consts, attrs), target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": tile.warps, "num_stages": tile.stages,
                                    "launch_pdl": pdl})

@@ -182,11 +182,9 @@ def weight_args(lin: Linear) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     return lin.qs, lin.scale, lin.qs.stride(0), lin.scale.stride(0)
 
 
-def check_x(x: torch.Tensor, k: int, name: str = "x",
-            dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
-    if x.dtype not in dtypes or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
-        kinds = "/".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise ValueError(f"{name}: expected {kinds} [n, {k}] with contiguous rows, got "
+def check_x(x: torch.Tensor, k: int, name: str = "x") -> None:
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
+        raise ValueError(f"{name}: expected float32 [n, {k}] with contiguous rows, got "
                          f"{x.dtype} {tuple(x.shape)} strides {x.stride()}")
 
 

@@ -39,10 +39,12 @@ CHUNK_TOKENS = 512  # tokens per pass of split programs: bounds their split-K pa
 # memory), and from WIDE_MIN_TOKENS the row tile widens: the same bits, so free thresholds
 SEQ_MIN_TOKENS = 8
 WIDE_MIN_TOKENS = 256
-# register cap of the one-program-per-tile (seq) expert kernels: 168 → 128 registers raises the
-# one-warp programs an SM holds from 12 to 16 (shared memory allows 17) with no spill in gate_up
-# (Triton 3.9 offline); registers change no arithmetic, so no bit. None: the compiler's choice
+# register cap of the one-program-per-tile (seq) expert kernels from MAXNREG_MIN_TOKENS tokens:
+# 168 → 128 registers raises the one-warp programs an SM holds from 12 to 16 (shared memory
+# allows 17), no spill in gate_up (Triton 3.9 offline). H200: experts -4% at 64 tokens, -5% at
+# 16, +11% at 8 (GPU_NOTES v9). Registers change no arithmetic, so no bit. None: off
 SEQ_MAXNREG: int | None = 128
+MAXNREG_MIN_TOKENS = 16
 
 
 # ---- device code ------------------------------------------------------------------------------
@@ -239,9 +241,7 @@ def _experts_pass(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
                   inter: torch.Tensor, y: torch.Tensor, tile, seq: bool) -> None:
     t, top_k = ids.shape
     tk = t * top_k
-    # q4 experts round x to fp16 as they load it: an fp16 x gives the same bits
-    check_x(x, experts.hidden, dtypes=(torch.float32, torch.float16) if experts.fmt == "q4"
-            else (torch.float32,))
+    check_x(x, experts.hidden)
     if inter.shape != (tk, experts.inter) or y.shape != (tk, experts.hidden):
         raise ValueError("inter [T*k, I] and y [T*k, hidden] expected")
     if y.dtype != torch.float32 or not y.is_contiguous() or not inter.is_contiguous():
@@ -279,7 +279,7 @@ def _experts_pass(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
 
     launch = dict(BM=tile.bm, BN=tile.bn, BK=tile.bk, ASM=asm, num_warps=tile.warps,
                   num_stages=tile.stages, **triton_pdl.launch(x))
-    if seq and SEQ_MAXNREG and x.device.type == "cuda":
+    if seq and SEQ_MAXNREG and t >= MAXNREG_MIN_TOKENS and x.device.type == "cuda":
         launch["maxnreg"] = SEQ_MAXNREG
     w, s = experts.gu
     ws, tickets = scratch(experts.gu_split, 2 * experts.inter, experts.gu_tickets)

@@ -24,6 +24,7 @@ try:  # Triton >= 3.4
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - then pdl() is always False
     gdc_launch_dependents = gdc_wait = None
+from triton.language.extra.cuda import globaltimer, smid  # noqa: E402  (stamp: bench timelines)
 
 ENABLED = gdc_wait is not None  # a benchmark may switch it off to compare
 
@@ -67,4 +68,18 @@ def prefetch_l2(ptrs, mask):
         }
         """,
         constraints="=r,l", args=[addr], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def stamp(trace_ptr, point: tl.constexpr, TRACE: tl.constexpr):
+    """TRACE: store the global nanosecond timer at trace[program, point] (and the SM at
+    trace[program, 7]) — a per-program timeline for bench/gpu_timeline.py; compiled out
+    otherwise. Program = its linear index over the grid (axis 0 fastest)."""
+    if TRACE:
+        pid = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) \
+            + tl.program_id(0)
+        row = trace_ptr + pid.to(tl.int64) * 8
+        tl.store(row + point, globaltimer())
+        if point == 0:
+            tl.store(row + 7, smid().to(tl.int64))
 

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from kernels import q4_layout, triton_pdl
 from kernels.q4_layout import LINEAR_TILE, Q4Linear, Q4Tile
-from kernels.triton_pdl import pdl_wait, prefetch_l2
+from kernels.triton_pdl import pdl_wait, prefetch_l2, stamp
 
 PREFETCH_BLOCKS = tl.constexpr(8)  # 32-blocks of K prefetched before waiting (GPU_NOTES v7)
 
@@ -201,12 +201,15 @@ def prefetch_weights(w_ptr, sm_ptr, n0, N, k_lo, k_hi, BN: tl.constexpr, BLOCKS:
 
 
 @triton.jit(do_not_specialize=["M", "stride_res", "stride_y"])
-def _q4_linear_kernel(x_ptr, w_ptr, sm_ptr, res_ptr, y_ptr, ws_ptr, tickets_ptr, M, N, K,
-                      stride_x, stride_res, stride_y, HAS_RES: tl.constexpr, BM: tl.constexpr,
+def _q4_linear_kernel(x_ptr, w_ptr, sm_ptr, res_ptr, y_ptr, ws_ptr, tickets_ptr, trace_ptr, M, N,
+                      K, stride_x, stride_res, stride_y, HAS_RES: tl.constexpr, BM: tl.constexpr,
                       BN: tl.constexpr, NB: tl.constexpr, S: tl.constexpr, SEQ: tl.constexpr,
-                      ASM: tl.constexpr, PDL: tl.constexpr):
+                      ASM: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr = False):
     """SEQ: each program runs all S splits of its tile itself (q4_splits); else program
-    (row tile, n-tile, split) runs one split and the last to arrive sums the S partials."""
+    (row tile, n-tile, split) runs one split and the last to arrive sums the S partials.
+    TRACE: time stamps at entry, after the wait, after the K loop, after the ticket (and the
+    partials' sum), at the end (kernels/triton_pdl.py `stamp`)."""
+    stamp(trace_ptr, 0, TRACE)
     pid_m, pid_n, offs_m, offs_n, m_mask, n_mask = output_tile(M, N, BM, BN)
     k_lo, k_hi = split_range(K, tl.program_id(2), S, 32 * NB)
     if SEQ:
@@ -215,6 +218,7 @@ def _q4_linear_kernel(x_ptr, w_ptr, sm_ptr, res_ptr, y_ptr, ws_ptr, tickets_ptr,
         if pid_m == 0:
             prefetch_weights(w_ptr, sm_ptr, pid_n * BN, N, k_lo, k_hi, BN, PREFETCH_BLOCKS)
     pdl_wait(PDL)
+    stamp(trace_ptr, 1, TRACE)
     mask = m_mask[:, None] & n_mask[None, :]
     rows = offs_m.to(tl.int64)[:, None]
     last = True
@@ -224,6 +228,7 @@ def _q4_linear_kernel(x_ptr, w_ptr, sm_ptr, res_ptr, y_ptr, ws_ptr, tickets_ptr,
     else:
         acc = q4_rows(x_ptr, offs_m, m_mask, stride_x, w_ptr, sm_ptr, pid_n * BN, n_mask, N,
                       k_lo, k_hi, BM, BN, NB, ASM)
+        stamp(trace_ptr, 2, TRACE)
         offs = rows * N + offs_n[None, :]
         split_stride = M.to(tl.int64) * N
         ticket = pid_m * tl.num_programs(1) + pid_n
@@ -233,10 +238,12 @@ def _q4_linear_kernel(x_ptr, w_ptr, sm_ptr, res_ptr, y_ptr, ws_ptr, tickets_ptr,
             if last:
                 acc = split_load_sum(ws_ptr, offs, mask, split_stride, S)
                 split_release(tickets_ptr, ticket)
+            stamp(trace_ptr, 3, TRACE)
     if last:
         if HAS_RES:
             acc = tl.load(res_ptr + rows * stride_res + offs_n[None, :], mask=mask, other=0.0) + acc
         tl.store(y_ptr + rows * stride_y + offs_n[None, :], acc, mask=mask)
+    stamp(trace_ptr, 4, TRACE)
 
 
 # ---- host side --------------------------------------------------------------------------------
@@ -256,13 +263,15 @@ def plan(lin: Q4Linear, rows: int) -> tuple[Q4Tile, bool]:
 
 def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
            residual: torch.Tensor | None = None, tile: Q4Tile | None = None,
-           asm: bool | None = None, seq: bool | None = None) -> torch.Tensor:
+           asm: bool | None = None, seq: bool | None = None,
+           trace: torch.Tensor | None = None) -> torch.Tensor:
     """out [n, N] = x @ W.T (+ residual); x [n, K] float32 with contiguous rows; returns out.
     tile / seq: the row tile and whether a program runs all K splits (default: `plan`); the
     tile's BK must be the one the weight's split was counted in (LINEAR_TILE's).
     Rows go MAX_ROWS (parallel split programs: SPLIT_ROWS) per launch; a row's bits do not
     depend on which launch it is in.
-    asm: the inline-PTX dequant (default: on CUDA); False runs the plain-Triton one (tests)."""
+    asm: the inline-PTX dequant (default: on CUDA); False runs the plain-Triton one (tests).
+    trace: int64 [programs, 8] per-program time stamps (bench/gpu_timeline.py; one launch)."""
     asm = use_asm(x) if asm is None else asm
     n, big_n, k = x.shape[0], lin.out_features, lin.in_features
     auto_tile, auto_seq = plan(lin, n)
@@ -283,8 +292,9 @@ def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
               if parallel else ys)
         grid = (triton.cdiv(r1 - r0, tile.bm), triton.cdiv(big_n, tile.bn), lin.split if parallel else 1)
         _q4_linear_kernel[grid](
-            xs, lin.qs, lin.sm, res, ys, ws, lin.tickets if parallel else ys, r1 - r0,
-            big_n, k, xs.stride(0), res.stride(0), ys.stride(0),
-            HAS_RES=residual is not None, BM=tile.bm, BN=tile.bn, NB=tile.nb, S=lin.split,
-            SEQ=seq, ASM=asm, num_warps=tile.warps, num_stages=tile.stages, **triton_pdl.launch(x))
+            xs, lin.qs, lin.sm, res, ys, ws, lin.tickets if parallel else ys,
+            ys if trace is None else trace, r1 - r0, big_n, k, xs.stride(0), res.stride(0),
+            ys.stride(0), HAS_RES=residual is not None, BM=tile.bm, BN=tile.bn, NB=tile.nb,
+            S=lin.split, SEQ=seq, ASM=asm, TRACE=trace is not None, num_warps=tile.warps,
+            num_stages=tile.stages, **triton_pdl.launch(x))
     return out
