@@ -61,6 +61,8 @@ if 'minpos512' in '$mode':  # prompt positions below 512 on the paged kernel (v7
     prefill.MIN_POSITION = 512
 if 'nomaxnreg' in '$mode':  # the seq expert kernels at the compiler's register count (v8)
     triton_moe.SEQ_MAXNREG = None
+if 'grouped' in '$mode':  # every MoE launch groups its assignments by expert first (v8)
+    triton_moe.DIRECT_MAX_TOKENS = 0
 if 'wide32' in '$mode':  # the 32-row tile (parallel splits) from 32 rows
     q4_layout.WIDE_MIN_ROWS = 32
 if 'splitrows' in '$mode':  # every batch size on the decode tile with parallel K splits (v7)

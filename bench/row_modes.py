@@ -71,17 +71,20 @@ def moe_modes(copy_gbs: float, ts, tiles, maxnregs) -> list[dict]:
         flops = 2 * t * 8 * 3 * 2048 * 768
         ref = None
         modes = [("split", stacked.tile, False, x)]
+        if t <= triton_moe.DIRECT_MAX_TOKENS:  # the same, grouped by the align kernel first
+            modes.append(("split grouped", stacked.tile, False, x, None, 0))
         modes += [(f"seq maxnreg {r or '-'}", stacked.tile, True, x, r) for r in maxnregs]
         modes += [(f"{tl.name} seq", tl, True, x) for tl in tiles]
         modes.append(("plan", None, None, x))
-        default = triton_moe.SEQ_MAXNREG
-        for label, tile, seq, xin, *reg in modes:
+        default = triton_moe.SEQ_MAXNREG, triton_moe.DIRECT_MAX_TOKENS
+        for label, tile, seq, xin, *knobs in modes:  # knobs: (register cap, direct max tokens)
             inter = torch.empty(t * 8, 768, dtype=torch.float16, device=DEV)
             y = torch.empty(t * 8, 2048, device=DEV)
-            triton_moe.SEQ_MAXNREG = reg[0] if reg else default
+            triton_moe.SEQ_MAXNREG = knobs[0] if knobs else default[0]
+            triton_moe.DIRECT_MAX_TOKENS = knobs[1] if len(knobs) > 1 else default[1]
             fn = lambda: triton_moe.experts_forward(xin, ids, stacked, inter, y, tile, seq)  # noqa: E731
             ms = timed(fn, label)
-            triton_moe.SEQ_MAXNREG = default
+            triton_moe.SEQ_MAXNREG, triton_moe.DIRECT_MAX_TOKENS = default
             if ref is None:
                 ref = y.clone()
             rows.append(_row("experts", "E128k8", t, label, ms, nbytes, flops, copy_gbs,
@@ -102,8 +105,8 @@ def main() -> None:
     copy_gbs = copy_bandwidth()
     print(f"device copy: {copy_gbs:.0f} GB/s (read + write)", flush=True)
     tiles = [Q4Tile.parse(t) for t in args.tiles.split(",") if t]
-    rows = linear_modes(copy_gbs, [int(v) for v in args.ms.split(",")], tiles)
-    rows += moe_modes(copy_gbs, [int(v) for v in args.ts.split(",")], tiles,
+    rows = linear_modes(copy_gbs, [int(v) for v in args.ms.split(",") if v], tiles)
+    rows += moe_modes(copy_gbs, [int(v) for v in args.ts.split(",") if v], tiles,
                       [int(v) or None for v in args.maxnreg.split(",")])
     if args.json:
         with open(args.json, "w") as f:

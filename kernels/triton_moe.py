@@ -8,6 +8,8 @@ fixed K split per expert shape: program (slot, n-tile, split) stores the partial
 slot's rows, and the last split program of (slot, n-tile) sums them in split order and runs the
 epilogue (SiLU·up, or the down projection's store). From SEQ_MIN_TOKENS tokens one program
 runs all S splits of its tile instead (`q4_splits`: the same bits, no partials in memory).
+Up to DIRECT_MAX_TOKENS tokens the grouping is skipped: slot a is assignment a, its expert
+read from the top-k ids (one row per program; the same bits, no align kernel).
 f32/q8 experts run the f32/q8 loop of kernels/triton_linear.py unsplit.
 
 Batch invariance: a row's GEMM result depends only on its own x row and the expert's weights
@@ -39,6 +41,11 @@ CHUNK_TOKENS = 512  # tokens per pass of split programs: bounds their split-K pa
 # memory), and from WIDE_MIN_TOKENS the row tile widens: the same bits, so free thresholds
 SEQ_MIN_TOKENS = 8
 WIDE_MIN_TOKENS = 256
+# up to this many tokens each assignment is its own slot (its expert read from the top-k ids):
+# no grouping kernel, one dependent load less before the weights. A row's bits do not depend
+# on which rows share its program, so the choice is free; an expert two tokens chose is then
+# read twice (from L2 the second time, mostly)
+DIRECT_MAX_TOKENS = 4
 # register cap of the one-program-per-tile (seq) expert kernels from MAXNREG_MIN_TOKENS tokens:
 # 168 → 128 registers raises the one-warp programs an SM holds from 12 to 16 (shared memory
 # allows 17), no spill in gate_up (Triton 3.9 offline). H200: experts -4% at 64 tokens, -5% at
@@ -49,9 +56,12 @@ MAXNREG_MIN_TOKENS = 16
 
 # ---- device code ------------------------------------------------------------------------------
 @triton.jit
-def _slot(meta_ptr):
-    """(expert, count) of this program's slot; count 0 when the slot is unused."""
+def _slot(meta_ptr, DIRECT: tl.constexpr):
+    """(expert, count) of this program's slot; count 0 when the slot is unused. DIRECT: the
+    slot is assignment a = program 0 itself, meta_ptr the ids [T*k]: expert ids[a], one row."""
     slot = tl.program_id(0)
+    if DIRECT:
+        return tl.load(meta_ptr + slot), 1
     used = slot < tl.load(meta_ptr)
     expert = tl.load(meta_ptr + 1 + 2 * slot, mask=used, other=0)
     count = tl.load(meta_ptr + 2 + 2 * slot, mask=used, other=0)
@@ -77,9 +87,12 @@ def _m_tiles(parallel: tl.constexpr, BM: tl.constexpr):
 
 
 @triton.jit
-def _slot_rows(arows, m0, count, BM: tl.constexpr):
-    """Assignments m0 .. m0 + BM of the slot (valid where < count)."""
+def _slot_rows(arows, m0, count, BM: tl.constexpr, DIRECT: tl.constexpr):
+    """Assignments m0 .. m0 + BM of the slot (valid where < count); DIRECT: the slot's one
+    assignment, the program's own index."""
     valid = m0 + tl.arange(0, BM) < count
+    if DIRECT:
+        return tl.zeros((BM,), tl.int32) + tl.program_id(0), valid
     return tl.load(arows + m0 + tl.arange(0, BM), mask=valid, other=0), valid
 
 
@@ -103,13 +116,13 @@ def _moe_gate_up_kernel(x_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, inter_ptr, ws_
                         T, TK, I, K, stride_x, stride_we, stride_w, stride_se, stride_s,
                         stride_inter, FMT: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
                         BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr, SEQ: tl.constexpr,
-                        ASM: tl.constexpr, PDL: tl.constexpr):
+                        DIRECT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
     """inter[a, j] = silu(x[t] . Wg[e, j]) * (x[t] . Wu[e, j]) for the slot's assignments a
     (t = a // k); the tile's BN interleaved gate/up rows give BN // 2 outputs j. With S > 1
     K splits run by S programs (not SEQ), partials go through ws [S, T*k, 2I] and the last
     split program finishes; SEQ: one program runs the S splits (the same bits)."""
     pdl_wait(PDL)
-    expert, count = _slot(meta_ptr)
+    expert, count = _slot(meta_ptr, DIRECT)
     if count == 0:
         return
     pid_n = tl.program_id(1)
@@ -124,7 +137,7 @@ def _moe_gate_up_kernel(x_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, inter_ptr, ws_
     last = True
     if parallel:
         for m0 in range(0, count, BM):
-            rows, valid = _slot_rows(arows, m0, count, BM)
+            rows, valid = _slot_rows(arows, m0, count, BM, DIRECT)
             acc = q4_rows(x_ptr, rows // TOPK, valid, stride_x, w_e, s_e, pid_n * BN, n_mask,
                           2 * I, k_lo, k_hi, BM, BN, BK // 32, ASM)  # S > 1: q4 only
             split_store(acc, ws_ptr, rows.to(tl.int64)[:, None] * (2 * I) + offs_n[None, :],
@@ -133,7 +146,7 @@ def _moe_gate_up_kernel(x_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, inter_ptr, ws_
     if last:
         m_lo, m_step = _m_tiles(parallel, BM)
         for m0 in range(m_lo, count, m_step):
-            rows, valid = _slot_rows(arows, m0, count, BM)
+            rows, valid = _slot_rows(arows, m0, count, BM, DIRECT)
             if parallel:
                 acc = split_load_sum(ws_ptr, rows.to(tl.int64)[:, None] * (2 * I) + offs_n[None, :],
                                      valid[:, None] & n_mask[None, :], split_stride, S)
@@ -152,11 +165,11 @@ def _moe_gate_up_kernel(x_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, inter_ptr, ws_
 def _moe_down_kernel(inter_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, tickets_ptr, T, TK,
                      N, K, stride_inter, stride_we, stride_w, stride_se, stride_s, stride_y,
                      FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     S: tl.constexpr, SEQ: tl.constexpr, ASM: tl.constexpr,
+                     S: tl.constexpr, SEQ: tl.constexpr, DIRECT: tl.constexpr, ASM: tl.constexpr,
                      PDL: tl.constexpr):
     """y[a, n] = inter[a] . Wd[e, n] for the slot's assignments a (splits as in gate_up)."""
     pdl_wait(PDL)
-    expert, count = _slot(meta_ptr)
+    expert, count = _slot(meta_ptr, DIRECT)
     if count == 0:
         return
     pid_n = tl.program_id(1)
@@ -170,7 +183,7 @@ def _moe_down_kernel(inter_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, y_ptr, ws_ptr
     last = True
     if parallel:
         for m0 in range(0, count, BM):
-            rows, valid = _slot_rows(arows, m0, count, BM)
+            rows, valid = _slot_rows(arows, m0, count, BM, DIRECT)
             acc = q4_rows(inter_ptr, rows, valid, stride_inter, w_e, s_e, pid_n * BN, n_mask,
                           N, k_lo, k_hi, BM, BN, BK // 32, ASM)  # S > 1: q4 only
             split_store(acc, ws_ptr, rows.to(tl.int64)[:, None] * N + offs_n[None, :],
@@ -179,7 +192,7 @@ def _moe_down_kernel(inter_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, y_ptr, ws_ptr
     if last:
         m_lo, m_step = _m_tiles(parallel, BM)
         for m0 in range(m_lo, count, m_step):
-            rows, valid = _slot_rows(arows, m0, count, BM)
+            rows, valid = _slot_rows(arows, m0, count, BM, DIRECT)
             offs = rows.to(tl.int64)[:, None] * N + offs_n[None, :]
             mask = valid[:, None] & n_mask[None, :]
             if parallel:
@@ -259,8 +272,13 @@ def _experts_pass(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
     else:
         tile = tile or EXPERT_TILE
     dev = x.device
-    meta, arows = triton_moe_route.align(ids, experts.num_experts)
-    slots = arows.shape[0]
+    direct = t <= DIRECT_MAX_TOKENS and tk <= experts.num_experts and not seq
+    if direct:  # a slot per assignment, read from ids: no grouping kernel on the critical path
+        meta = arows = ids
+        slots = tk
+    else:
+        meta, arows = triton_moe_route.align(ids, experts.num_experts)
+        slots = arows.shape[0]
     asm = triton_q4.use_asm(x)
 
     def scratch(split: int, n: int, tickets):
@@ -286,13 +304,13 @@ def _experts_pass(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
     _moe_gate_up_kernel[(slots, triton.cdiv(2 * experts.inter, tile.bn), splits(experts.gu_split))](
         x, meta, arows, w, s, inter, ws, tickets, t, tk, experts.inter, experts.hidden,
         x.stride(0), *strides(w, s), inter.stride(0), FMT=fmt, TOPK=top_k,
-        S=experts.gu_split, SEQ=seq, **launch)
+        S=experts.gu_split, SEQ=seq, DIRECT=direct, **launch)
     w, s = experts.down
     ws, tickets = scratch(experts.down_split, experts.hidden, experts.down_tickets)
     _moe_down_kernel[(slots, triton.cdiv(experts.hidden, tile.bn), splits(experts.down_split))](
         inter, meta, arows, w, s, y, ws, tickets, t, tk, experts.hidden, experts.inter,
         inter.stride(0), *strides(w, s), y.stride(0), FMT=fmt, S=experts.down_split, SEQ=seq,
-        **launch)
+        DIRECT=direct, **launch)
 
 
 # ---- float64 reference (tests) ----------------------------------------------------------------

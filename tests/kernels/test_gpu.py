@@ -227,6 +227,28 @@ def test_moe_wide_tiles_and_one_program_splits_give_the_split_programs_bits():
     assert not stacked.gu_tickets.any() and not stacked.down_tickets.any()
 
 
+def test_moe_direct_slots_give_the_grouped_bits(monkeypatch):
+    """A few tokens run a slot per assignment (expert read from the ids, no grouping kernel):
+    the grouped launch's bits, tokens sharing experts included."""
+    router, experts, stacked = real_moe()
+    g = torch.Generator(DEV).manual_seed(10)
+    for t in (1, 2, 4):
+        x = torch.randn(t, 2048, generator=g, device=DEV)
+        ids = torch.stack([torch.randperm(128, generator=g, device=DEV)[:8] for _ in range(t)])
+        if t > 1:
+            ids[1, :4] = ids[0, 4:]  # token 1 shares four experts with token 0
+        ids = ids.to(torch.int32)
+        outs = []
+        for direct_max in (triton_moe.DIRECT_MAX_TOKENS, 0):
+            monkeypatch.setattr(triton_moe, "DIRECT_MAX_TOKENS", direct_max)
+            inter, y = nan(8 * t, 768).half(), nan(8 * t, 2048)
+            triton_moe.experts_forward(x, ids, stacked, inter, y)
+            outs.append((inter, y))
+        assert torch.isfinite(outs[0][1]).all()
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), t
+    assert not stacked.gu_tickets.any() and not stacked.down_tickets.any()
+
+
 def test_pdl_launches_change_no_bits_in_a_graph(monkeypatch):
     """Programmatic dependent launch (each kernel waits on the previous one, weights prefetched
     into L2 before the wait) changes no bit: a layer's chain of kernels captured in a CUDA

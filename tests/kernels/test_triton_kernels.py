@@ -310,6 +310,33 @@ def test_moe_one_program_per_expert_tile_gives_the_bits_of_the_split_programs(mo
     assert torch.isfinite(y).all()
 
 
+def test_moe_direct_slots_give_the_grouped_bits(monkeypatch):
+    """Up to DIRECT_MAX_TOKENS tokens every assignment is its own slot (its expert read from the
+    ids, no grouping kernel): the bits of the grouped launch, also when tokens share an expert
+    (which the grouped launch runs as one slot of several rows)."""
+    g = gen(12)
+    router, experts, stacked = _moe_setup("q4", g, hidden=256, inter=256)
+    x = torch.randn(3, 256, generator=g)
+    ids = torch.tensor([[1, 5], [5, 2], [1, 7]], dtype=torch.int32)
+
+    def run():
+        inter, y = nan(6, 256).to(torch.float16), nan(6, 256)
+        triton_moe.experts_forward(x, ids, stacked, inter, y)
+        assert not stacked.gu_tickets.any() and not stacked.down_tickets.any()
+        return inter, y
+
+    assert triton_moe.DIRECT_MAX_TOKENS >= 3
+    direct = run()
+    monkeypatch.setattr(triton_moe, "DIRECT_MAX_TOKENS", 0)
+    grouped = run()
+    assert torch.isfinite(direct[1]).all()
+    assert torch.equal(direct[0], grouped[0]) and torch.equal(direct[1], grouped[1])
+    ref = torch.stack([experts[int(e)][1].reference(torch.nn.functional.silu(
+        (h := experts[int(e)][0].reference(x[a // 2: a // 2 + 1]))[:, :256]) * h[:, 256:])[0]
+        for a, e in enumerate(ids.flatten())])
+    assert rel_err(direct[1], ref) < TOL["q4"]
+
+
 # ---- the fused CUDA forward, interpreted, vs the CPU engine ----------------------------------------
 def test_fused_forward_greedy_tokens_equal_cpu_engine(monkeypatch):
     from kernels import ops
