@@ -73,6 +73,9 @@ def moe_modes(copy_gbs: float, ts, tiles, maxnregs) -> list[dict]:
         modes = [("split", stacked.tile, False, x)]
         if t <= triton_moe.DIRECT_MAX_TOKENS:  # the same, grouped by the align kernel first
             modes.append(("split grouped", stacked.tile, False, x, None, 0))
+        elif t <= 32:  # a slot per assignment instead of grouping, split and seq
+            modes.append(("split direct", stacked.tile, False, x, None, t))
+            modes.append(("seq direct", stacked.tile, True, x, triton_moe.SEQ_MAXNREG, t))
         modes += [(f"seq maxnreg {r or '-'}", stacked.tile, True, x, r) for r in maxnregs]
         modes += [(f"{tl.name} seq", tl, True, x) for tl in tiles]
         modes.append(("plan", None, None, x))

@@ -272,7 +272,7 @@ def _experts_pass(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
     else:
         tile = tile or EXPERT_TILE
     dev = x.device
-    direct = t <= DIRECT_MAX_TOKENS and tk <= experts.num_experts and not seq
+    direct = t <= DIRECT_MAX_TOKENS and tk <= experts.num_experts
     if direct:  # a slot per assignment, read from ids: no grouping kernel on the critical path
         meta = arows = ids
         slots = tk
