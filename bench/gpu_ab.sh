@@ -41,7 +41,9 @@ fi
 if [ -n "${TIMELINE-}" ]; then  # bench/gpu_timeline.py: per-program phase times of the q4 GEMM
   stamp "q4 GEMM timelines"
   timeout "${T_TIMELINE:-120}" python -m bench.gpu_timeline ${TIMELINE_ARGS-} --json "$OUT/timeline.json" 2>&1 | grep -v Warning
-  timeout "${T_TIMELINE:-120}" python -m bench.gpu_timeline ${TIMELINE_ARGS-} --no-pdl --json "$OUT/timeline_nopdl.json" 2>&1 | grep -v Warning
+  if [ -z "${TIMELINE_NOPDL-1}" ]; then :; else
+    timeout "${T_TIMELINE:-120}" python -m bench.gpu_timeline ${TIMELINE_ARGS-} --no-pdl --json "$OUT/timeline_nopdl.json" 2>&1 | grep -v Warning
+  fi
 fi
 
 if [ -n "${ENGINE_TESTS-1}" ]; then
@@ -61,6 +63,9 @@ if 'minpos512' in '$mode':  # prompt positions below 512 on the paged kernel (v7
     prefill.MIN_POSITION = 512
 if 'nomaxnreg' in '$mode':  # the seq expert kernels at the compiler's register count (v8)
     triton_moe.SEQ_MAXNREG = None
+import re
+if re.search(r'mp[0-9]+', '$mode'):  # q4 weights split for this many programs at M = 1
+    q4_layout.MAX_PROGRAMS = int(re.search(r'mp([0-9]+)', '$mode').group(1))
 if 'grouped' in '$mode':  # every MoE launch groups its assignments by expert first (v8)
     triton_moe.DIRECT_MAX_TOKENS = 0
 if 'wide32' in '$mode':  # the 32-row tile (parallel splits) from 32 rows

@@ -6,7 +6,8 @@ of LAYERS x (qkv, o + residual, router) at M rows, distinct weights per layer (m
 L2 holds), programmatic dependent launch as the engine has it. Prints, per weight, the phase
 times across programs (median and max, µs) and the kernel's span; writes JSON. Not a test.
 
-    python -m bench.gpu_timeline [--ms 1,64] [--layers 8] [--no-pdl] [--json out.json]
+    python -m bench.gpu_timeline [--ms 1,64] [--layers 8] [--no-pdl] [--max-programs 512]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -86,14 +87,19 @@ def main() -> None:
     ap.add_argument("--ms", default="1,64")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--no-pdl", action="store_true")
+    ap.add_argument("--max-programs", type=int, default=None,
+                    help="re-split the weights for this many programs at M = 1 "
+                         "(q4_layout.MAX_PROGRAMS; the split changes the bits)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.no_pdl:
         triton_pdl.ENABLED = False
+    if args.max_programs:
+        q4_layout.MAX_PROGRAMS = args.max_programs
     g = torch.Generator("cuda").manual_seed(0)
     out = []
     cols = PHASES + ("ticket (not last)",)
-    print(f"PDL {'off' if args.no_pdl else 'on'}; µs, median/max over programs; gap: from the "
+    print(f"MAX_PROGRAMS {q4_layout.MAX_PROGRAMS}; PDL {'off' if args.no_pdl else 'on'}; µs, median/max over programs; gap: from the "
           f"previous kernel's last end to this kernel's first program past the wait")
     print(f"{'M':>4} {'weight':<7} {'progs':>5} {'SMs':>4} {'span':>6} {'gap':>6} "
           + " ".join(f"{c:>17}" for c in cols))

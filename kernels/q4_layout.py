@@ -71,9 +71,11 @@ SEQ_MIN_ROWS = 256
 WIDE_MIN_ROWS = 512
 
 
-def split_count(n: int, k: int, tile: Q4Tile, programs: int = MAX_PROGRAMS) -> int:
+def split_count(n: int, k: int, tile: Q4Tile, programs: int | None = None) -> int:
     """K splits for a weight [n, k]: the most (≤ MAX_SPLIT, dividing the k steps evenly) that
-    keep n-tiles × splits ≤ programs. From the weight's shape and the tile alone."""
+    keep n-tiles × splits ≤ programs (default MAX_PROGRAMS). From the weight's shape and the
+    tile alone."""
+    programs = MAX_PROGRAMS if programs is None else programs
     steps = _cdiv(k, tile.bk)
     n_tiles = _cdiv(n, tile.bn)
     return max(s for s in range(1, MAX_SPLIT + 1) if steps % s == 0 and n_tiles * s <= max(programs, n_tiles))
@@ -113,7 +115,7 @@ class Q4Linear(Linear):
                         tickets=None if self.tickets is None else self.tickets.to(device))
 
 
-def repack(lin: Linear, tile: Q4Tile = LINEAR_TILE, programs: int = MAX_PROGRAMS) -> Q4Linear:
+def repack(lin: Linear, tile: Q4Tile = LINEAR_TILE, programs: int | None = None) -> Q4Linear:
     """q4 Linear (GGUF block order, fp32 scale/min) → Q4Linear. Scales and mins must fit fp16
     (GGUF's own precision: exact for Q4_0/Q4_1 and GPTQ)."""
     if isinstance(lin, Q4Linear):

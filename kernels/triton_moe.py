@@ -44,8 +44,9 @@ WIDE_MIN_TOKENS = 256
 # up to this many tokens each assignment is its own slot (its expert read from the top-k ids):
 # no grouping kernel, one dependent load less before the weights. A row's bits do not depend
 # on which rows share its program, so the choice is free; an expert two tokens chose is then
-# read twice (from L2 the second time, mostly)
-DIRECT_MAX_TOKENS = 4
+# read twice (from L2 the second time, mostly). H200, experts alone: -28% at 1 token, -25% at
+# 4, -10% at 8, +9% at 16 (GPU_NOTES v9)
+DIRECT_MAX_TOKENS = 8
 # register cap of the one-program-per-tile (seq) expert kernels from MAXNREG_MIN_TOKENS tokens:
 # 168 → 128 registers raises the one-warp programs an SM holds from 12 to 16 (shared memory
 # allows 17), no spill in gate_up (Triton 3.9 offline). H200: experts -4% at 64 tokens, -5% at
