@@ -198,7 +198,9 @@ def _bench_moe_tile(copy_gbs: float, ts, router, layers, g, mode: str) -> list[d
 
 
 def bench_attention(copy_gbs: float, dtypes=(torch.bfloat16, torch.float32),
-                    splits=(512, 256)) -> list[dict]:
+                    splits=(512, 256), launches=()) -> list[dict]:
+    """launches: extra (warps, stages, prefetch) of the split kernel, bf16 and the default
+    split, each with a bits column against the default launch."""
     g = torch.Generator(DEV).manual_seed(2)
     h, kvh, d, bs = 32, 4, 128, 16
     rows = []
@@ -219,6 +221,19 @@ def bench_attention(copy_gbs: float, dtypes=(torch.bfloat16, torch.float32),
                     q, kc, vc, tables, rows_t, ctx, d ** -0.5, out, split=split), "attention")
                 rows.append(dict(kernel="paged_attention", shape=f"ctx={ctx_len} {str(dtype)[6:]}",
                                  m=t, variant=f"split{split}", ms=ms, gbs=nbytes / ms / 1e6,
+                                 pct_copy=100 * nbytes / ms / 1e6 / copy_gbs))
+            ref = out.clone()
+            for launch in launches if dtype == torch.bfloat16 else ():
+                default = triton_attention.WARPS, triton_attention.STAGES, triton_attention.PREFETCH
+                triton_attention.WARPS, triton_attention.STAGES, triton_attention.PREFETCH = launch
+                out.fill_(float("nan"))
+                ms = timed(lambda: triton_attention.paged_attention(
+                    q, kc, vc, tables, rows_t, ctx, d ** -0.5, out), "attention")
+                same = torch.equal(out, ref)
+                triton_attention.WARPS, triton_attention.STAGES, triton_attention.PREFETCH = default
+                rows.append(dict(kernel="paged_attention", shape=f"ctx={ctx_len} {str(dtype)[6:]}",
+                                 m=t, variant=f"w{launch[0]}s{launch[1]}{'p' if launch[2] else ''}"
+                                 f" bits{'=' if same else '!'}", ms=ms, gbs=nbytes / ms / 1e6,
                                  pct_copy=100 * nbytes / ms / 1e6 / copy_gbs))
             del kc, vc
         torch.cuda.empty_cache()
@@ -242,6 +257,9 @@ def main() -> None:
     ap.add_argument("--ms", default="1,8,32,64", help="batch sizes (rows / tokens)")
     ap.add_argument("--tiles", default=",".join(Q4_TILES), help="q4 tile specs to compare")
     ap.add_argument("--no-attention", action="store_true")
+    ap.add_argument("--attention-only", action="store_true")
+    ap.add_argument("--attention-launches", default="",
+                    help="split-kernel launches to compare, WARPS:STAGES:PREFETCH(0/1),... e.g. 8:3:0")
     ap.add_argument("--linear-variants", default=str(q4_layout.MAX_PROGRAMS),
                     help="q4 linear launch variants, PROGRAMS[:nopdl],... (see Variant)")
     ap.add_argument("--moe-variants", default=str(moe_layout.EXPERT_PROGRAMS),
@@ -251,8 +269,14 @@ def main() -> None:
     copy_gbs = copy_bandwidth()
     print(f"device copy: {copy_gbs:.0f} GB/s (read + write)", flush=True)
     tiles = {t: q4_layout.Q4Tile.parse(t) for t in args.tiles.split(",")}
-    rows = [] if args.no_attention else bench_attention(copy_gbs)
+    launches = [tuple(int(v) for v in spec.split(":")) for spec in args.attention_launches.split(",")
+                if spec]
+    rows = [] if args.no_attention else bench_attention(
+        copy_gbs, dtypes=(torch.bfloat16,) if launches else (torch.bfloat16, torch.float32),
+        splits=(512,) if launches else (512, 256), launches=launches)
     print(format_rows(rows), flush=True)
+    if args.attention_only:
+        return
     variants = lambda spec: [Variant.parse(v) for v in spec.split(",")]  # noqa: E731
     rows_l = bench_linear(copy_gbs, ms_list, tiles, variants(args.linear_variants))
     print(format_rows(rows_l), flush=True)
