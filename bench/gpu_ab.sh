@@ -66,10 +66,10 @@ if 'nomaxnreg' in '$mode':  # the seq expert kernels at the compiler's register 
 import re
 if re.search(r'mp[0-9]+', '$mode'):  # q4 weights split for this many programs at M = 1
     q4_layout.MAX_PROGRAMS = int(re.search(r'mp([0-9]+)', '$mode').group(1))
-if re.search(r'attn[0-9]+_[0-9]+_[01]', '$mode'):  # split-kernel launch: warps_stages_prefetch
+if re.search(r'attn[0-9]+_[0-9]+', '$mode'):  # paged attention split-kernel launch: warps_stages
     from kernels import triton_attention
-    w, st, pf = re.search(r'attn([0-9]+)_([0-9]+)_([01])', '$mode').groups()
-    triton_attention.WARPS, triton_attention.STAGES, triton_attention.PREFETCH = int(w), int(st), pf == '1'
+    w, st = re.search(r'attn([0-9]+)_([0-9]+)', '$mode').groups()
+    triton_attention.WARPS, triton_attention.STAGES = int(w), int(st)
 if 'grouped' in '$mode':  # every MoE launch groups its assignments by expert first (v8)
     triton_moe.DIRECT_MAX_TOKENS = 0
 if 'wide32' in '$mode':  # the 32-row tile (parallel splits) from 32 rows

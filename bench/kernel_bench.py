@@ -199,8 +199,8 @@ def _bench_moe_tile(copy_gbs: float, ts, router, layers, g, mode: str) -> list[d
 
 def bench_attention(copy_gbs: float, dtypes=(torch.bfloat16, torch.float32),
                     splits=(512, 256), launches=()) -> list[dict]:
-    """launches: extra (warps, stages, prefetch) of the split kernel, bf16 and the default
-    split, each with a bits column against the default launch."""
+    """launches: extra (warps, stages) of the split kernel, bf16 and the default split, each
+    with a bits column against the default launch."""
     g = torch.Generator(DEV).manual_seed(2)
     h, kvh, d, bs = 32, 4, 128, 16
     rows = []
@@ -224,16 +224,16 @@ def bench_attention(copy_gbs: float, dtypes=(torch.bfloat16, torch.float32),
                                  pct_copy=100 * nbytes / ms / 1e6 / copy_gbs))
             ref = out.clone()
             for launch in launches if dtype == torch.bfloat16 else ():
-                default = triton_attention.WARPS, triton_attention.STAGES, triton_attention.PREFETCH
-                triton_attention.WARPS, triton_attention.STAGES, triton_attention.PREFETCH = launch
+                default = triton_attention.WARPS, triton_attention.STAGES
+                triton_attention.WARPS, triton_attention.STAGES = launch
                 out.fill_(float("nan"))
                 ms = timed(lambda: triton_attention.paged_attention(
                     q, kc, vc, tables, rows_t, ctx, d ** -0.5, out), "attention")
                 same = torch.equal(out, ref)
-                triton_attention.WARPS, triton_attention.STAGES, triton_attention.PREFETCH = default
+                triton_attention.WARPS, triton_attention.STAGES = default
                 rows.append(dict(kernel="paged_attention", shape=f"ctx={ctx_len} {str(dtype)[6:]}",
-                                 m=t, variant=f"w{launch[0]}s{launch[1]}{'p' if launch[2] else ''}"
-                                 f" bits{'=' if same else '!'}", ms=ms, gbs=nbytes / ms / 1e6,
+                                 m=t, variant=f"w{launch[0]}s{launch[1]} bits{'=' if same else '!'}",
+                                 ms=ms, gbs=nbytes / ms / 1e6,
                                  pct_copy=100 * nbytes / ms / 1e6 / copy_gbs))
             del kc, vc
         torch.cuda.empty_cache()
@@ -259,7 +259,7 @@ def main() -> None:
     ap.add_argument("--no-attention", action="store_true")
     ap.add_argument("--attention-only", action="store_true")
     ap.add_argument("--attention-launches", default="",
-                    help="split-kernel launches to compare, WARPS:STAGES:PREFETCH(0/1),... e.g. 8:3:0")
+                    help="split-kernel launches to compare, WARPS:STAGES,... e.g. 8:2,4:3")
     ap.add_argument("--linear-variants", default=str(q4_layout.MAX_PROGRAMS),
                     help="q4 linear launch variants, PROGRAMS[:nopdl],... (see Variant)")
     ap.add_argument("--moe-variants", default=str(moe_layout.EXPERT_PROGRAMS),

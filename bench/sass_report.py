@@ -6,7 +6,7 @@ Instructions per weight predict the loop's speed without spending device time, a
 that stores to shared memory (STS) shows a tile where Triton did not load the raw bytes
 straight into the MMA operand layout.
 
-    python -m bench.sass_report 16x64x64w1s3 16x64x128w4s3
+    python -m bench.sass_report 16x64x64w1s3 16x64x128w4s3 [--attention]
 """
 
 from __future__ import annotations
@@ -49,33 +49,61 @@ class LoopReport:
         return self.ops["STS"]
 
 
-def compile_q4_linear(tile: Q4Tile, arch: int = 90, split: int = 1, pdl: bool = False,
-                      seq: bool = False):
-    kern = triton_q4._q4_linear_kernel
+def _compile(kern, consts: dict, ptr_types: dict, scalar_types: dict, div16: set, arch: int,
+             **options):
+    """kern compiled for sm_`arch` with these constexprs; pointers default to *fp32, other
+    arguments to i32; the names in div16 specialized as the runtime does for our shapes."""
     types, attrs = {}, {}
     for i, name in enumerate(kern.arg_names):
-        if name in CONSTEXPRS:
+        if name in consts:
             types[name] = "constexpr"
         elif name.endswith("_ptr"):
-            types[name] = {"w_ptr": "*u8", "sm_ptr": "*fp16", "tickets_ptr": "*i32", "trace_ptr": "*i64"}.get(name, "*fp32")
+            types[name] = ptr_types.get(name, "*fp32")
         else:
-            types[name] = "i32"
-        if name in DIV16:
+            types[name] = scalar_types.get(name, "i32")
+        if name in div16:
             attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(kern, types, consts, attrs), target=GPUTarget("cuda", arch, 32),
+                          options=options)
+
+
+def compile_q4_linear(tile: Q4Tile, arch: int = 90, split: int = 1, pdl: bool = False,
+                      seq: bool = False):
     consts = dict(HAS_RES=False, BM=tile.bm, BN=tile.bn, NB=tile.nb, S=split, SEQ=seq, ASM=True,
                   PDL=pdl, TRACE=False)
-    return triton.compile(ASTSource(kern, types, consts, attrs), target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": tile.warps, "num_stages": tile.stages,
-                                   "launch_pdl": pdl})
+    return _compile(triton_q4._q4_linear_kernel, consts,
+                    {"w_ptr": "*u8", "sm_ptr": "*fp16", "tickets_ptr": "*i32", "trace_ptr": "*i64"},
+                    {}, DIV16, arch, num_warps=tile.warps, num_stages=tile.stages, launch_pdl=pdl)
 
 
-def sass(cubin: bytes) -> str:
+def compile_attention(arch: int = 90):
+    """The paged attention split kernel as the engine launches it on a bf16 pool (Qwen3-30B-A3B
+    heads: 32 query, 4 KV, head_dim 128, 16-token blocks)."""
+    from kernels import triton_attention as ta
+
+    consts = dict(H=32, KVH=4, D=128, BS=16, GROUP=8, GROUP_PAD=16, SPLIT=ta.SPLIT,
+                  BLOCK_N=ta.BLOCK_N_BF16, PREC=ta.PRECISION, MMA=True, PDL=True)
+    ptrs = {"k_ptr": "*bf16", "v_ptr": "*bf16", "bt_ptr": "*i32", "row_ptr": "*i32", "ctx_ptr": "*i32"}
+    div16 = {"q_ptr", "k_ptr", "v_ptr", "bt_ptr", "out_ptr", "pacc_ptr", "pml_ptr", "stride_bt"}
+    return _compile(ta._attn_split_kernel, consts, ptrs, {"scale": "fp32"}, div16, arch,
+                    num_warps=ta.WARPS, num_stages=ta.STAGES, launch_pdl=True)
+
+
+def _cuobjdump(cubin: bytes, flag: str) -> str:
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True,
                               check=True).stdout
+
+
+def sass(cubin: bytes) -> str:
+    return _cuobjdump(cubin, "-sass")
+
+
+def registers(cubin: bytes) -> int:
+    return int(re.search(r"REG:(\d+)", _cuobjdump(cubin, "-res-usage")).group(1))
 
 
 def loop_report(tile: Q4Tile) -> LoopReport:
@@ -103,7 +131,15 @@ def loop_report(tile: Q4Tile) -> LoopReport:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("tiles", nargs="*", default=[q4_layout.LINEAR_TILE.name])
-    for spec in ap.parse_args().tiles:
+    ap.add_argument("--attention", action="store_true",
+                    help="also the paged attention split kernel: instructions, cp.async, registers")
+    args = ap.parse_args()
+    if args.attention:
+        cubin = compile_attention().asm["cubin"]
+        lines = [ln for ln in sass(cubin).splitlines() if _ADDR.match(ln)]
+        print(f"paged attention (bf16 KV): kernel {len(lines)} instructions, "
+              f"{sum('LDGSTS' in ln for ln in lines)} LDGSTS, {registers(cubin)} registers")
+    for spec in args.tiles:
         r = loop_report(Q4Tile.parse(spec))
         print(f"{spec}: kernel {r.total} instructions, K loop {r.loop} = {r.per_weight:.1f} per "
               f"weight per thread")

@@ -30,10 +30,12 @@ SPLIT = 512  # keys per split (fixed: a property of the kernel, not of the batch
 BLOCK_N = 32  # keys per inner tile (fp32 K/V); SPLIT % BLOCK_N == 0
 BLOCK_N_BF16 = 64  # keys per inner tile (bf16 K/V: the same bytes per tile as fp32's 32)
 PRECISION = "tf32x3"  # fp32-accurate dots on the tensor cores (three tf32 products)
-# launch of the split kernel: the next key tile's loads issued by hand before the current
-# tile's math (PREFETCH), or left to Triton's software pipeline (STAGES); WARPS sets the layout
-# of the score tile, so its row reductions: a change of WARPS changes bits, the other two not
-WARPS, STAGES, PREFETCH = 8, 1, True
+# launch of the split kernel. STAGES: Triton's software pipeline streams the key tiles through
+# shared memory (cp.async; 80 registers a thread): against the next tile's loads issued by
+# hand into registers (157), the same bits and 1.3-1.6x the bandwidth at 2K-32K contexts on
+# the H200 (GPU_NOTES v9). WARPS sets the score tile's layout, so its row reductions: another
+# WARPS gives other bits
+WARPS, STAGES = 8, 3
 
 
 @triton.jit
@@ -74,7 +76,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, row_ptr, ctx_ptr, out_ptr, p
                        H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, SPLIT: tl.constexpr,
                        BLOCK_N: tl.constexpr, PREC: tl.constexpr, MMA: tl.constexpr,
-                       PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                       PDL: tl.constexpr):
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -100,18 +102,9 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, row_ptr, ctx_ptr, out_ptr, p
     acc = tl.zeros((GROUP_PAD, D), tl.float32)
     lo = sp * SPLIT
     hi = tl.minimum(lo + SPLIT, ctx)
-    if PREFETCH:
-        k_n, v_n, valid_n = _kv_tile(k_ptr, v_ptr, bt_ptr, row, stride_bt, lo, hi, kvh, KVH, D,
-                                     BS, BLOCK_N)
-    for start in range(lo, hi, BLOCK_N):
-        if PREFETCH:
-            k, v, valid = k_n, v_n, valid_n
-            # the next tile's loads are in flight while this one is computed
-            k_n, v_n, valid_n = _kv_tile(k_ptr, v_ptr, bt_ptr, row, stride_bt, start + BLOCK_N,
-                                         hi, kvh, KVH, D, BS, BLOCK_N)
-        else:
-            k, v, valid = _kv_tile(k_ptr, v_ptr, bt_ptr, row, stride_bt, start, hi, kvh, KVH, D,
-                                   BS, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):  # pipelined: later tiles' loads are in flight
+        k, v, valid = _kv_tile(k_ptr, v_ptr, bt_ptr, row, stride_bt, start, hi, kvh, KVH, D, BS,
+                               BLOCK_N)
         s = _dot_f32(q, tl.trans(k), PREC, MMA)  # [GROUP_PAD, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -198,8 +191,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q, k_cache, v_cache, block_tables, tok_row, ctx_lens, out, pacc, pml,
         block_tables.stride(0), max_splits, scale, H=h, KVH=kvh, D=d, BS=bs, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), SPLIT=split, BLOCK_N=block_n,
-        PREC=PRECISION, MMA=q.device.type == "cuda", PREFETCH=PREFETCH, num_warps=WARPS,
-        num_stages=STAGES, **triton_pdl.launch(q))
+        PREC=PRECISION, MMA=q.device.type == "cuda", num_warps=WARPS, num_stages=STAGES,
+        **triton_pdl.launch(q))
     if max_splits > 1:
         _attn_merge_kernel[(t, h)](ctx_lens, out, pacc, pml, max_splits, H=h, D=d, SPLIT=split,
                                    **triton_pdl.launch(q))
