@@ -50,7 +50,8 @@ DIRECT_MAX_TOKENS = 8
 # register cap of the one-program-per-tile (seq) expert kernels from MAXNREG_MIN_TOKENS tokens:
 # 168 → 128 registers raises the one-warp programs an SM holds from 12 to 16 (shared memory
 # allows 17), no spill in gate_up (Triton 3.9 offline). H200: experts -4% at 64 tokens, -5% at
-# 16, +11% at 8 (GPU_NOTES v9). Registers change no arithmetic, so no bit. None: off
+# 16, +11% at 8; in an 8 x 512 prefill (wide tile) down -10% but gate_up +8%, so gate_up's wide
+# tile runs uncapped (GPU_NOTES v9). Registers change no arithmetic, so no bit. None: off
 SEQ_MAXNREG: int | None = 128
 MAXNREG_MIN_TOKENS = 16
 
@@ -298,8 +299,11 @@ def _experts_pass(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
 
     launch = dict(BM=tile.bm, BN=tile.bn, BK=tile.bk, ASM=asm, num_warps=tile.warps,
                   num_stages=tile.stages, **triton_pdl.launch(x))
+    down_launch = launch
     if seq and SEQ_MAXNREG and t >= MAXNREG_MIN_TOKENS and x.device.type == "cuda":
-        launch["maxnreg"] = SEQ_MAXNREG
+        down_launch = dict(launch, maxnreg=SEQ_MAXNREG)
+        if tile.bm < q4_layout.WIDE_TILE.bm:
+            launch = down_launch
     w, s = experts.gu
     ws, tickets = scratch(experts.gu_split, 2 * experts.inter, experts.gu_tickets)
     _moe_gate_up_kernel[(slots, triton.cdiv(2 * experts.inter, tile.bn), splits(experts.gu_split))](
@@ -311,7 +315,7 @@ def _experts_pass(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
     _moe_down_kernel[(slots, triton.cdiv(experts.hidden, tile.bn), splits(experts.down_split))](
         inter, meta, arows, w, s, y, ws, tickets, t, tk, experts.hidden, experts.inter,
         inter.stride(0), *strides(w, s), y.stride(0), FMT=fmt, S=experts.down_split, SEQ=seq,
-        DIRECT=direct, **launch)
+        DIRECT=direct, **down_launch)
 
 
 # ---- float64 reference (tests) ----------------------------------------------------------------
