@@ -276,6 +276,8 @@ def _experts_pass(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
     dev = x.device
     direct = t <= DIRECT_MAX_TOKENS and tk <= experts.num_experts
     if direct:  # a slot per assignment, read from ids: no grouping kernel on the critical path
+        if ids.dtype != torch.int32 or not ids.is_contiguous():
+            raise ValueError("ids: expected contiguous int32 [T, k]")
         meta = arows = ids
         slots = tk
     else:
