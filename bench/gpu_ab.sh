@@ -56,14 +56,16 @@ for mode in ${ENGINE_MODES-pdl nopdl}; do  # nopdl: plain launches; splitrows: v
   stamp "engine benchmark, $mode"
   timeout "${T_ENGINE:-200}" python -c "
 import sys
+import re
 from kernels import q4_layout, triton_moe, triton_pdl
 triton_pdl.ENABLED = 'nopdl' not in '$mode'
 if 'minpos512' in '$mode':  # prompt positions below 512 on the paged kernel (v7)
     from kernels import prefill
     prefill.MIN_POSITION = 512
 if 'nomaxnreg' in '$mode':  # the seq expert kernels at the compiler's register count (v8)
-    triton_moe.SEQ_MAXNREG = None
-import re
+    triton_moe.SEQ_MAXNREG = triton_moe.DOWN_MAXNREG = None
+if re.search(r'downnreg[0-9]+', '$mode'):  # the down kernel's own cap (0: none)
+    triton_moe.DOWN_MAXNREG = int(re.search(r'downnreg([0-9]+)', '$mode').group(1)) or None
 if re.search(r'mp[0-9]+', '$mode'):  # q4 weights split for this many programs at M = 1
     q4_layout.MAX_PROGRAMS = int(re.search(r'mp([0-9]+)', '$mode').group(1))
 if re.search(r'attn[0-9]+_[0-9]+', '$mode'):  # paged attention split-kernel launch: warps_stages

@@ -79,15 +79,17 @@ def moe_modes(copy_gbs: float, ts, tiles, maxnregs) -> list[dict]:
         modes += [(f"seq maxnreg {r or '-'}", stacked.tile, True, x, r) for r in maxnregs]
         modes += [(f"{tl.name} seq", tl, True, x) for tl in tiles]
         modes.append(("plan", None, None, x))
-        default = triton_moe.SEQ_MAXNREG, triton_moe.DIRECT_MAX_TOKENS
+        default = triton_moe.SEQ_MAXNREG, triton_moe.DOWN_MAXNREG, triton_moe.DIRECT_MAX_TOKENS
         for label, tile, seq, xin, *knobs in modes:  # knobs: (register cap, direct max tokens)
             inter = torch.empty(t * 8, 768, dtype=torch.float16, device=DEV)
             y = torch.empty(t * 8, 2048, device=DEV)
-            triton_moe.SEQ_MAXNREG = knobs[0] if knobs else default[0]
-            triton_moe.DIRECT_MAX_TOKENS = knobs[1] if len(knobs) > 1 else default[1]
+            if knobs:  # one cap for both expert kernels
+                triton_moe.SEQ_MAXNREG = triton_moe.DOWN_MAXNREG = knobs[0]
+            triton_moe.DIRECT_MAX_TOKENS = knobs[1] if len(knobs) > 1 else default[2]
             fn = lambda: triton_moe.experts_forward(xin, ids, stacked, inter, y, tile, seq)  # noqa: E731
             ms = timed(fn, label)
-            triton_moe.SEQ_MAXNREG, triton_moe.DIRECT_MAX_TOKENS = default
+            (triton_moe.SEQ_MAXNREG, triton_moe.DOWN_MAXNREG,
+             triton_moe.DIRECT_MAX_TOKENS) = default
             if ref is None:
                 ref = y.clone()
             rows.append(_row("experts", "E128k8", t, label, ms, nbytes, flops, copy_gbs,

@@ -53,6 +53,7 @@ DIRECT_MAX_TOKENS = 8
 # 16, +11% at 8; in an 8 x 512 prefill (wide tile) down -10% but gate_up +8%, so gate_up's wide
 # tile runs uncapped (GPU_NOTES v9). Registers change no arithmetic, so no bit. None: off
 SEQ_MAXNREG: int | None = 128
+DOWN_MAXNREG: int | None = 128  # the down kernel's cap (it spills 22 words at 128 offline)
 MAXNREG_MIN_TOKENS = 16
 
 
@@ -302,10 +303,11 @@ def _experts_pass(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
     launch = dict(BM=tile.bm, BN=tile.bn, BK=tile.bk, ASM=asm, num_warps=tile.warps,
                   num_stages=tile.stages, **triton_pdl.launch(x))
     down_launch = launch
-    if seq and SEQ_MAXNREG and t >= MAXNREG_MIN_TOKENS and x.device.type == "cuda":
-        down_launch = dict(launch, maxnreg=SEQ_MAXNREG)
-        if tile.bm < q4_layout.WIDE_TILE.bm:
-            launch = down_launch
+    if seq and t >= MAXNREG_MIN_TOKENS and x.device.type == "cuda":
+        if DOWN_MAXNREG:
+            down_launch = dict(launch, maxnreg=DOWN_MAXNREG)
+        if SEQ_MAXNREG and tile.bm < q4_layout.WIDE_TILE.bm:
+            launch = dict(launch, maxnreg=SEQ_MAXNREG)
     w, s = experts.gu
     ws, tickets = scratch(experts.gu_split, 2 * experts.inter, experts.gu_tickets)
     _moe_gate_up_kernel[(slots, triton.cdiv(2 * experts.inter, tile.bn), splits(experts.gu_split))](
