@@ -24,12 +24,6 @@ SHAPES = {"qkv": (5120, 2048), "o": (2048, 4096), "router": (128, 2048)}
 PHASES = ("entry skew", "wait", "K loop", "ticket+sum", "epilogue")
 
 
-def _programs(lin, m: int) -> int:
-    tile, seq = triton_q4.plan(lin, m)
-    splits = lin.split if lin.split > 1 and not seq else 1
-    return -(-m // tile.bm) * -(-lin.out_features // tile.bn) * splits
-
-
 def _stats(v: torch.Tensor) -> tuple[float, float]:
     v = v.double() / 1e3  # ns → µs
     return float(v.median()), float(v.max())
@@ -43,8 +37,11 @@ def run(m: int, layers: int, g: torch.Generator) -> list[dict]:
     a = torch.randn(m, 4096, generator=g, device=dev)
     outs = {name: torch.empty(m, n, device=dev) for name, (n, _) in SHAPES.items()}
     res = torch.empty(m, 2048, device=dev)
-    traces = [{name: torch.zeros(_programs(ls[name], m), 8, dtype=torch.int64, device=dev)
-               for name in SHAPES} for ls in lins]
+    # room for any grid of these shapes (16-row tiles x 64 columns x 16 splits at most); the
+    # rows a launch's programs did not stamp stay zero and are dropped below
+    traces = [{name: torch.zeros(-(-m // 16) * -(-n // 64) * q4_layout.MAX_SPLIT, 8,
+                                 dtype=torch.int64, device=dev)
+               for name, (n, _) in SHAPES.items()} for _ in lins]
 
     def step() -> None:
         for ls, tr in zip(lins, traces):
@@ -64,6 +61,7 @@ def run(m: int, layers: int, g: torch.Generator) -> list[dict]:
     for layer, tr in enumerate(traces):
         for name in SHAPES:
             t = tr[name].cpu()
+            t = t[t[:, 0] > 0]  # the launch's programs
             t0 = int(t[:, 0].min())
             end = int(t[:, 4].max())
             last = t[:, 3] > 0  # the programs that summed the partials (split weights)

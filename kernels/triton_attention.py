@@ -32,7 +32,7 @@ BLOCK_N_BF16 = 64  # keys per inner tile (bf16 K/V: the same bytes per tile as f
 PRECISION = "tf32x3"  # fp32-accurate dots on the tensor cores (three tf32 products)
 # launch of the split kernel. STAGES: Triton's software pipeline streams the key tiles through
 # shared memory (cp.async; 80 registers a thread): against the next tile's loads issued by
-# hand into registers (157), the same bits and 1.3-1.6x the bandwidth at 2K-32K contexts on
+# hand into registers (157), the same bits and 1.2-1.4x the bandwidth at 2K-32K contexts on
 # the H200 (GPU_NOTES v9). WARPS sets the score tile's layout, so its row reductions: another
 # WARPS gives other bits
 WARPS, STAGES = 8, 3

@@ -32,7 +32,7 @@ def test_sass_report_counts_the_k_loop_of_the_engine_tile():
 def test_paged_attention_streams_its_key_tiles_through_the_pipeline():
     """The split kernel's key tiles go through Triton's software pipeline (cp.async into shared
     memory) at about 80 registers a thread; the hand-prefetched form (tiles in registers, 157)
-    ran at 0.6-0.75x the bandwidth on the H200 (GPU_NOTES v9)."""
+    ran at 0.7-0.8x the bandwidth on the H200 (GPU_NOTES v9)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-m", "bench.sass_report", "--attention"],
                          capture_output=True, text=True, env=env, timeout=300)
