@@ -53,7 +53,7 @@ DIRECT_MAX_TOKENS = 8
 # 16, +11% at 8; in an 8 x 512 prefill (wide tile) down -10% but gate_up +8%, so gate_up's wide
 # tile runs uncapped (GPU_NOTES v9). Registers change no arithmetic, so no bit. None: off
 SEQ_MAXNREG: int | None = 128
-DOWN_MAXNREG: int | None = 128  # the down kernel's cap (it spills 22 words at 128 offline)
+DOWN_MAXNREG: int | None = 128  # the down kernel's cap (offline at 128: 22 spill stores, 80 B)
 MAXNREG_MIN_TOKENS = 16
 
 
