@@ -271,7 +271,7 @@ def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
     Rows go MAX_ROWS (parallel split programs: SPLIT_ROWS) per launch; a row's bits do not
     depend on which launch it is in.
     asm: the inline-PTX dequant (default: on CUDA); False runs the plain-Triton one (tests).
-    trace: int64 [programs, 8] per-program time stamps (bench/gpu_timeline.py; one launch)."""
+    trace: int64 [>= programs, 8], per-program time stamps (bench/gpu_timeline.py; one launch)."""
     asm = use_asm(x) if asm is None else asm
     n, big_n, k = x.shape[0], lin.out_features, lin.in_features
     auto_tile, auto_seq = plan(lin, n)
