@@ -70,26 +70,27 @@ def moe_modes(copy_gbs: float, ts, tiles, maxnregs) -> list[dict]:
         nbytes = int(torch.unique(ids).numel()) * stacked.expert_nbytes()
         flops = 2 * t * 8 * 3 * 2048 * 768
         ref = None
-        modes = [("split", stacked.tile, False, x)]
+        # (label, tile, seq, overrides of triton_moe's knobs for this mode)
+        modes = [("split", stacked.tile, False, {})]
         if t <= triton_moe.DIRECT_MAX_TOKENS:  # the same, grouped by the align kernel first
-            modes.append(("split grouped", stacked.tile, False, x, None, 0))
+            modes.append(("split grouped", stacked.tile, False, {"DIRECT_MAX_TOKENS": 0}))
         elif t <= 32:  # a slot per assignment instead of grouping, split and seq
-            modes.append(("split direct", stacked.tile, False, x, None, t))
-            modes.append(("seq direct", stacked.tile, True, x, triton_moe.SEQ_MAXNREG, t))
-        modes += [(f"seq maxnreg {r or '-'}", stacked.tile, True, x, r) for r in maxnregs]
-        modes += [(f"{tl.name} seq", tl, True, x) for tl in tiles]
-        modes.append(("plan", None, None, x))
-        default = triton_moe.SEQ_MAXNREG, triton_moe.DOWN_MAXNREG, triton_moe.DIRECT_MAX_TOKENS
-        for label, tile, seq, xin, *knobs in modes:  # knobs: (register cap, direct max tokens)
+            modes.append(("split direct", stacked.tile, False, {"DIRECT_MAX_TOKENS": t}))
+            modes.append(("seq direct", stacked.tile, True, {"DIRECT_MAX_TOKENS": t}))
+        modes += [(f"seq maxnreg {r or '-'}", stacked.tile, True,
+                   {"SEQ_MAXNREG": r, "DOWN_MAXNREG": r}) for r in maxnregs]
+        modes += [(f"{tl.name} seq", tl, True, {}) for tl in tiles]
+        modes.append(("plan", None, None, {}))
+        for label, tile, seq, knobs in modes:
             inter = torch.empty(t * 8, 768, dtype=torch.float16, device=DEV)
             y = torch.empty(t * 8, 2048, device=DEV)
-            if knobs:  # one cap for both expert kernels
-                triton_moe.SEQ_MAXNREG = triton_moe.DOWN_MAXNREG = knobs[0]
-            triton_moe.DIRECT_MAX_TOKENS = knobs[1] if len(knobs) > 1 else default[2]
-            fn = lambda: triton_moe.experts_forward(xin, ids, stacked, inter, y, tile, seq)  # noqa: E731
+            default = {k: getattr(triton_moe, k) for k in knobs}
+            for k, v in knobs.items():
+                setattr(triton_moe, k, v)
+            fn = lambda: triton_moe.experts_forward(x, ids, stacked, inter, y, tile, seq)  # noqa: E731
             ms = timed(fn, label)
-            (triton_moe.SEQ_MAXNREG, triton_moe.DOWN_MAXNREG,
-             triton_moe.DIRECT_MAX_TOKENS) = default
+            for k, v in default.items():
+                setattr(triton_moe, k, v)
             if ref is None:
                 ref = y.clone()
             rows.append(_row("experts", "E128k8", t, label, ms, nbytes, flops, copy_gbs,
