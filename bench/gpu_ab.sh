@@ -41,7 +41,7 @@ fi
 if [ -n "${TIMELINE-}" ]; then  # bench/gpu_timeline.py: per-program phase times of the q4 GEMM
   stamp "q4 GEMM timelines"
   timeout "${T_TIMELINE:-120}" python -m bench.gpu_timeline ${TIMELINE_ARGS-} --json "$OUT/timeline.json" 2>&1 | grep -v Warning
-  if [ -z "${TIMELINE_NOPDL-1}" ]; then :; else
+  if [ -n "${TIMELINE_NOPDL-1}" ]; then  # also with plain launches (TIMELINE_NOPDL= skips)
     timeout "${T_TIMELINE:-120}" python -m bench.gpu_timeline ${TIMELINE_ARGS-} --no-pdl --json "$OUT/timeline_nopdl.json" 2>&1 | grep -v Warning
   fi
 fi
