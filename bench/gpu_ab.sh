@@ -16,7 +16,7 @@ python -c "import torch, triton; print('torch', torch.__version__, 'triton', tri
 if [ -n "${KERNEL_TESTS-1}" ]; then
   stamp "kernel tests"
   timeout "${T_TESTS:-200}" python -m pytest -q -n 0 -x tests/kernels/test_gpu.py \
-    -k "not engine and not stream_alone" 2>&1 | tail -15
+    -k "${KERNEL_K:-not engine and not stream_alone}" 2>&1 | tail -15
 fi
 
 if [ -n "${BENCH-1}" ]; then
@@ -72,6 +72,10 @@ if re.search(r'attn[0-9]+_[0-9]+', '$mode'):  # paged attention split-kernel lau
     from kernels import triton_attention
     w, st = re.search(r'attn([0-9]+)_([0-9]+)', '$mode').groups()
     triton_attention.WARPS, triton_attention.STAGES = int(w), int(st)
+if 'nodense' in '$mode':  # no weights dequantized once per call: the q4 tiles everywhere (v9)
+    q4_layout.DENSE_MIN_ROWS = triton_moe.DENSE_MIN_TOKENS = None
+elif re.search(r'dense[0-9]+', '$mode'):  # rows / tokens from which the dense path runs
+    q4_layout.DENSE_MIN_ROWS = triton_moe.DENSE_MIN_TOKENS = int(re.search(r'dense([0-9]+)', '$mode').group(1))
 if 'grouped' in '$mode':  # every MoE launch groups its assignments by expert first (v8)
     triton_moe.DIRECT_MAX_TOKENS = 0
 if 'wide32' in '$mode':  # the 32-row tile (parallel splits) from 32 rows

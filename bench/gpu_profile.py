@@ -33,11 +33,15 @@ def _add(core: EngineCore, n: int, length: int, max_tokens: int, tag: str) -> No
 
 def _profile(core: EngineCore, steps: int) -> dict[str, tuple[float, int]]:
     """kernel name → (µs per step, calls per step) over `steps` steps."""
-    cuda = core.config.cuda
+    return profile_calls(core.step, steps, core.config.cuda)
+
+
+def profile_calls(fn, steps: int, cuda: bool = True) -> dict[str, tuple[float, int]]:
+    """kernel name → (µs per call, launches per call) of fn() over `steps` calls."""
     acts = [torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(steps):
-            core.step()
+            fn()
         if cuda:
             torch.cuda.synchronize()
     out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])

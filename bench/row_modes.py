@@ -1,11 +1,13 @@
 """Row modes of the q4 GEMM and the MoE experts on the GPU: for each batch size, the decode
 tile with its K splits in parallel programs, the same tile with all splits in one program
-("seq"), and wider row tiles (seq) — time, bandwidth, TFLOP/s, and whether each gives the
+("seq"), wider row tiles (seq), and the weights dequantized once per call on many-warp fp16
+tiles ("dense", the dequantize included) — time, bandwidth, TFLOP/s, and whether each gives the
 reference mode's bits (a mode that does not may never be chosen by batch size). The "plan"
 row is what the engine runs (kernels/triton_q4.py `plan`, kernels/triton_moe.py). Not a test.
 
     python -m bench.row_modes [--ms 1,8,64,256,1024,4096] [--tiles 32x64x64w1s3,64x64x64w4s3]
-        [--ts 1,2,4,8,16,64,512] [--maxnreg 0,128,112] [--json out.json]
+        [--ts 1,2,4,8,16,64,512] [--maxnreg 0,128,112] [--dense-tiles 128x128x64w8s3]
+        [--kernels] [--json out.json]
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import json
 
 import torch
 
+from bench.gpu_profile import profile_calls
 from bench.kernel_bench import copy_bandwidth, rand_q4, routed_tokens, timed
-from kernels import q4_layout, triton_linear, triton_moe, triton_q4
+from kernels import q4_layout, triton_f16, triton_linear, triton_moe, triton_q4
 from kernels.moe_layout import StackedExperts
 from kernels.q4_layout import Q4Tile
 
@@ -34,24 +37,35 @@ def _row(kernel, shape, m, mode, ms, nbytes, flops, copy_gbs, same) -> dict:
     return r
 
 
-def linear_modes(copy_gbs: float, ms_list, tiles) -> list[dict]:
+def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles) -> list[dict]:
     g = torch.Generator(DEV).manual_seed(0)
     rows = []
     for name, (n, k) in SHAPES.items():
         lin = q4_layout.repack(rand_q4(n, k, g))
         nbytes = lin.qs.nbytes + lin.sm.nbytes
+        ms = timed(lambda: triton_f16.dequantize(lin.qs, lin.sm), "dequantize")
+        rows.append(_row("dequant", name, 0, "fp16 W.T", ms, nbytes + 2 * n * k, 0, copy_gbs, True))
         for m in ms_list:
             x = torch.randn(m, k, generator=g, device=DEV)
             ref = triton_q4.linear(lin, x, torch.empty(m, n, device=DEV),
                                    tile=q4_layout.LINEAR_TILE, seq=False)
-            modes = [("split", q4_layout.LINEAR_TILE, False), ("seq", q4_layout.LINEAR_TILE, True)]
-            modes += [(f"{t.name} split", t, False) for t in tiles if t.warps == 1]
-            modes += [(f"{t.name} seq", t, True) for t in tiles]
+            # (label, keywords of triton_q4.linear; "f16": of triton_f16.linear; "plan": the
+            # engine's dispatch, triton_linear.linear)
+            modes = [("split", dict(tile=q4_layout.LINEAR_TILE, seq=False)),
+                     ("seq", dict(tile=q4_layout.LINEAR_TILE, seq=True))]
+            modes += [(f"{t.name} split", dict(tile=t, seq=False)) for t in tiles if t.warps == 1]
+            modes += [(f"{t.name} seq", dict(tile=t, seq=True)) for t in tiles]
+            modes += [(f"dense {t.name}{' flat' if flat else ''}", dict(tile=t, flat=flat, f16=1))
+                      for t in dense_tiles for flat in (False, True) if m >= 256]
             plan_tile, plan_seq = triton_q4.plan(lin, m)  # what the engine runs: 32s = 32 rows, seq
-            modes.append((f"plan {plan_tile.bm}{'s' if plan_seq else 'p'}", None, None))
-            for label, tile, seq in modes:
+            dense = triton_f16.plan(lin, m, x)
+            plan = f"dense {dense.name}" if dense else f"{plan_tile.bm}{'s' if plan_seq else 'p'}"
+            modes.append((f"plan {plan}", dict(plan=1)))
+            for label, kw in modes:
                 out = torch.empty(m, n, device=DEV)
-                fn = lambda: triton_q4.linear(lin, x, out, tile=tile, seq=seq)  # noqa: E731
+                f16, plan = kw.pop("f16", 0), kw.pop("plan", 0)
+                run = triton_f16.linear if f16 else triton_linear.linear if plan else triton_q4.linear
+                fn = lambda: run(lin, x, out, **kw)  # noqa: E731
                 ms = timed(fn, label)
                 same = ms == ms and torch.equal(out, ref)
                 rows.append(_row("linear", name, m, label, ms, nbytes + 4 * m * (k + n),
@@ -59,7 +73,7 @@ def linear_modes(copy_gbs: float, ms_list, tiles) -> list[dict]:
     return rows
 
 
-def moe_modes(copy_gbs: float, ts, tiles, maxnregs) -> list[dict]:
+def moe_modes(copy_gbs: float, ts, tiles, maxnregs, dense_tiles, profile=False) -> list[dict]:
     g = torch.Generator(DEV).manual_seed(1)
     router = triton_linear.to_gpu_format(rand_q4(128, 2048, g))
     stacked = StackedExperts.stack(tuple((rand_q4(1536, 2048, g), rand_q4(2048, 768, g))
@@ -80,17 +94,23 @@ def moe_modes(copy_gbs: float, ts, tiles, maxnregs) -> list[dict]:
         modes += [(f"seq maxnreg {r or '-'}", stacked.tile, True,
                    {"SEQ_MAXNREG": r, "DOWN_MAXNREG": r}) for r in maxnregs]
         modes += [(f"{tl.name} seq", tl, True, {}) for tl in tiles]
+        modes += [(f"dense {tl.name}{' flat' if flat else ''}", tl, None, {"dense": True, "flat": flat})
+                  for tl in dense_tiles for flat in (False, True) if t >= 64]
         modes.append(("plan", None, None, {}))
         for label, tile, seq, knobs in modes:
             inter = torch.empty(t * 8, 768, dtype=torch.float16, device=DEV)
             y = torch.empty(t * 8, 2048, device=DEV)
+            kw = {k: knobs.pop(k) for k in ("dense", "flat") if k in knobs}
             default = {k: getattr(triton_moe, k) for k in knobs}
             for k, v in knobs.items():
                 setattr(triton_moe, k, v)
-            fn = lambda: triton_moe.experts_forward(x, ids, stacked, inter, y, tile, seq)  # noqa: E731
+            fn = lambda: triton_moe.experts_forward(x, ids, stacked, inter, y, tile, seq, **kw)  # noqa: E731
             ms = timed(fn, label)
             for k, v in default.items():
                 setattr(triton_moe, k, v)
+            if profile and (label.startswith("dense") or label == "plan"):
+                for name, (us, calls) in sorted(profile_calls(fn, 3).items(), key=lambda kv: -kv[1][0]):
+                    print(f"    {us:>9.1f} µs {calls:>4.1f}x  {name[:80]}")
             if ref is None:
                 ref = y.clone()
             rows.append(_row("experts", "E128k8", t, label, ms, nbytes, flops, copy_gbs,
@@ -106,14 +126,19 @@ def main() -> None:
                     help="wide row tiles (BN and BK of the decode tile)")
     ap.add_argument("--maxnreg", default="0,128,112",
                     help="register caps of the seq expert kernels (0: the compiler's choice)")
+    ap.add_argument("--dense-tiles", default="128x128x64w8s3,64x128x64w4s3",
+                    help="many-warp fp16 tiles on the weights dequantized once (dense)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="each dense expert mode's kernels, µs per call (torch.profiler)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     copy_gbs = copy_bandwidth()
     print(f"device copy: {copy_gbs:.0f} GB/s (read + write)", flush=True)
     tiles = [Q4Tile.parse(t) for t in args.tiles.split(",") if t]
-    rows = linear_modes(copy_gbs, [int(v) for v in args.ms.split(",") if v], tiles)
+    dense = [Q4Tile.parse(t) for t in args.dense_tiles.split(",") if t]
+    rows = linear_modes(copy_gbs, [int(v) for v in args.ms.split(",") if v], tiles, dense)
     rows += moe_modes(copy_gbs, [int(v) for v in args.ts.split(",") if v], tiles,
-                      [int(v) or None for v in args.maxnreg.split(",")])
+                      [int(v) or None for v in args.maxnreg.split(",")], dense, args.kernels)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_gbs": copy_gbs, "rows": rows}, f, indent=1)

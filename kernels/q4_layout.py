@@ -72,6 +72,17 @@ LINEAR_TILE = Q4Tile()
 WIDE_TILE = Q4Tile(bm=32)
 SEQ_MIN_ROWS = 256
 WIDE_MIN_ROWS = 512
+# From DENSE_MIN_ROWS rows on CUDA the weight is dequantized once per call into fp16 W.T and a
+# many-warp tile runs fp16 MMAs on it (kernels/triton_f16.py): the same fp16 weights, k steps,
+# split ranges and merge order, so the same bits per row, and the tensor cores no longer wait
+# on a one-warp dequant. Weights with fewer than DENSE_MIN_N outputs (the router) keep the q4
+# tiles. H200 (GPU_NOTES v10): 64 x 128 tiles on 4 warps below DENSE_WIDE_ROWS, 128 x 128 on 8
+# from it. None: off
+DENSE_TILE = Q4Tile(bm=64, bn=128, nb=2, warps=4, stages=4)
+DENSE_WIDE_TILE = Q4Tile(bm=128, bn=128, nb=2, warps=8, stages=4)
+DENSE_MIN_ROWS: int | None = 256
+DENSE_WIDE_ROWS = 1024
+DENSE_MIN_N = 1024
 
 
 def split_count(n: int, k: int, tile: Q4Tile, programs: int | None = None) -> int:

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import q4_layout, triton_pdl, triton_q4
+from kernels import q4_layout, triton_f16, triton_pdl, triton_q4
 from kernels.linear import QBLOCK, Linear
 from kernels.q4_layout import Q4Linear, Q4Tile
 from kernels.triton_pdl import pdl_wait
@@ -193,8 +193,8 @@ def linear(lin: Linear, x: torch.Tensor, out: torch.Tensor | None = None,
            tile: TileConfig | Q4Tile | None = None) -> torch.Tensor:
     """x [n, K] f32 → out [n, N] f32 = x @ W.T (+ residual [n, N] f32), N, K = the weight's
     out/in features; out is allocated when not given. Each row is computed alone
-    (batch-invariant). q4 weights go to triton_q4 (tile: a Q4Tile), f32/q8 to this file's
-    kernel (tile: a TileConfig)."""
+    (batch-invariant). q4 weights go to triton_q4 (tile: a Q4Tile; many rows without a tile
+    to triton_f16, the same bits), f32/q8 to this file's kernel (tile: a TileConfig)."""
     if x.dim() == 2 and x.stride(-1) != 1:
         x = x.contiguous()
     n, k = x.shape[0], lin.in_features
@@ -211,6 +211,8 @@ def linear(lin: Linear, x: torch.Tensor, out: torch.Tensor | None = None,
     if lin.fmt == "q4":
         if not isinstance(lin, Q4Linear):
             raise TypeError("q4 weights must be in GPU storage (kernels.triton_linear.to_gpu_format)")
+        if tile is None and (dense := triton_f16.plan(lin, n, x)):  # dequantized once, fp16
+            return triton_f16.linear(lin, x, out, residual, dense)
         return triton_q4.linear(lin, x, out, residual, tile)
     tile = tile or LINEAR_TILE
     w, s, sw, ss = weight_args(lin)

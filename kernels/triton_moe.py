@@ -26,16 +26,25 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import q4_layout, triton_moe_route, triton_pdl, triton_q4
+from kernels import q4_layout, triton_f16, triton_moe_route, triton_pdl, triton_q4
 from kernels.linear import Linear
 from kernels.moe_layout import StackedExperts, inter_dtype
 from kernels.q4_layout import Q4Tile
 from kernels.triton_linear import FMT_CODES, TileConfig, check_x, rows_times_w
 from kernels.triton_pdl import pdl_wait
+from kernels.triton_f16 import f16_splits
 from kernels.triton_q4 import (q4_rows, q4_splits, split_load_sum, split_range, split_release,
                                split_store, split_ticket)
 
 EXPERT_TILE = TileConfig(bm=16, bn=32, bk=128, warps=4, stages=2)  # f32/q8 experts
+FMT_F16 = 3  # q4 experts dequantized once per call (kernels/triton_f16.py `dequantize`)
+# from this many tokens on CUDA q4 experts are dequantized once per call into fp16 W.T and run
+# on many-warp fp16 tiles (kernels/triton_f16.py): the same bits. None: off. (tile, one loop):
+# gate_up 128 x 128 on 8 warps; down, whose K splits are 3 k steps each, 64 x 128 on 4 warps in
+# one loop over K (H200, 4,096 tokens: 694 and 674 µs, GPU_NOTES v10)
+DENSE_MIN_TOKENS: int | None = 512
+DENSE_GATE_UP = (Q4Tile(bm=128, bn=128, nb=2, warps=8, stages=4), False)
+DENSE_DOWN = (Q4Tile(bm=64, bn=128, nb=2, warps=4, stages=4), True)
 CHUNK_TOKENS = 512  # tokens per pass of split programs: bounds their split-K partials
 # from this many tokens one program runs all K splits of its q4 expert tile (no partials in
 # memory), and from WIDE_MIN_TOKENS the row tile widens: the same bits, so free thresholds
@@ -102,12 +111,15 @@ def _slot_rows(arows, m0, count, BM: tl.constexpr, DIRECT: tl.constexpr):
 @triton.jit
 def _expert_all(x_ptr, rows, valid, stride_x, w_e, s_e, n0, n_mask, N, K, stride_w, stride_s,
                 FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                S: tl.constexpr, ASM: tl.constexpr):
+                S: tl.constexpr, ASM: tl.constexpr, FLAT: tl.constexpr):
     """[BM, BN] = x[rows] @ W_e[n0 : n0 + BN].T over all of K, in one program: q4 runs its S
-    splits and sums them in split order (the bits of the split programs); f32/q8 all of K."""
+    splits and sums them in split order (the bits of the split programs), and so does the
+    dequantized q4 (FMT_F16); f32/q8 all of K."""
     if FMT == 1:
         acc = q4_splits(x_ptr, rows, valid, stride_x, w_e, s_e, n0, n_mask, N, K, BM, BN, BK // 32,
                         S, ASM)
+    elif FMT == 3:  # q4 experts dequantized for this call (fp16 W.T), x in fp16: q4's bits
+        acc = f16_splits(x_ptr, rows, valid, stride_x, w_e, n0, n_mask, N, K, BM, BN, BK, S, FLAT)
     else:
         acc = rows_times_w(x_ptr, rows, valid, stride_x, w_e, s_e, n0, n_mask, K, stride_w,
                            stride_s, tl.zeros((BM, BN), tl.float32), FMT, BN, BK)
@@ -119,7 +131,8 @@ def _moe_gate_up_kernel(x_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, inter_ptr, ws_
                         T, TK, I, K, stride_x, stride_we, stride_w, stride_se, stride_s,
                         stride_inter, FMT: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
                         BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr, SEQ: tl.constexpr,
-                        DIRECT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+                        DIRECT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+                        FLAT: tl.constexpr = False):
     """inter[a, j] = silu(x[t] . Wg[e, j]) * (x[t] . Wu[e, j]) for the slot's assignments a
     (t = a // k); the tile's BN interleaved gate/up rows give BN // 2 outputs j. With S > 1
     K splits run by S programs (not SEQ), partials go through ws [S, T*k, 2I] and the last
@@ -155,7 +168,7 @@ def _moe_gate_up_kernel(x_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, inter_ptr, ws_
                                      valid[:, None] & n_mask[None, :], split_stride, S)
             else:
                 acc = _expert_all(x_ptr, rows // TOPK, valid, stride_x, w_e, s_e, pid_n * BN,
-                                  n_mask, 2 * I, K, stride_w, stride_s, FMT, BM, BN, BK, S, ASM)
+                                  n_mask, 2 * I, K, stride_w, stride_s, FMT, BM, BN, BK, S, ASM, FLAT)
             g, u = tl.split(tl.reshape(acc, (BM, BN // 2, 2)))
             h = g / (1.0 + tl.exp(-g)) * u
             dst = inter_ptr + rows.to(tl.int64)[:, None] * stride_inter + cols[None, :]
@@ -169,7 +182,7 @@ def _moe_down_kernel(inter_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, y_ptr, ws_ptr
                      N, K, stride_inter, stride_we, stride_w, stride_se, stride_s, stride_y,
                      FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      S: tl.constexpr, SEQ: tl.constexpr, DIRECT: tl.constexpr, ASM: tl.constexpr,
-                     PDL: tl.constexpr):
+                     PDL: tl.constexpr, FLAT: tl.constexpr = False):
     """y[a, n] = inter[a] . Wd[e, n] for the slot's assignments a (splits as in gate_up)."""
     pdl_wait(PDL)
     expert, count = _slot(meta_ptr, DIRECT)
@@ -202,7 +215,7 @@ def _moe_down_kernel(inter_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, y_ptr, ws_ptr
                 acc = split_load_sum(ws_ptr, offs, mask, split_stride, S)
             else:
                 acc = _expert_all(inter_ptr, rows, valid, stride_inter, w_e, s_e, pid_n * BN,
-                                  n_mask, N, K, stride_w, stride_s, FMT, BM, BN, BK, S, ASM)
+                                  n_mask, N, K, stride_w, stride_s, FMT, BM, BN, BK, S, ASM, FLAT)
             tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_y + offs_n[None, :], acc, mask=mask)
         if parallel:
             split_release(tickets_ptr, ticket)
@@ -232,7 +245,8 @@ def prepare_experts(experts: tuple[tuple[Linear, Linear], ...], device: str) -> 
 
 def experts_forward(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
                     inter: torch.Tensor, y: torch.Tensor, tile: TileConfig | Q4Tile | None = None,
-                    seq: bool | None = None) -> None:
+                    seq: bool | None = None, dense: bool | None = None,
+                    flat: bool | None = None) -> None:
     """y [T*k, hidden] ← expert(ids[t, r]) applied to x[t], row a = t*k + r; inter [T*k, I]
     (float16 for q4/q8 experts: the down GEMM rounds it to fp16 anyway, so the bits are the
     same and its bytes half). tile: the f32/q8 TileConfig, or a q4 Q4Tile with the BK the
@@ -240,8 +254,20 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
     WIDE_MIN_TOKENS tokens); seq: whether one program runs all K splits of a q4 expert tile
     (default: from SEQ_MIN_TOKENS tokens). Neither changes a bit (kernels/triton_q4.py
     `plan`). Split programs take the tokens CHUNK_TOKENS per pass (their partials are
-    bounded; a token's bits do not depend on its pass); otherwise all go in one pass."""
+    bounded; a token's bits do not depend on its pass); otherwise all go in one pass.
+    dense: q4 experts dequantized once into fp16 and run on many-warp tiles (default: on CUDA
+    from DENSE_MIN_TOKENS tokens), the same bits; `tile` and flat (the one-loop form), when
+    given, replace both kernels' DENSE_GATE_UP / DENSE_DOWN (bench variants)."""
     t, top_k = ids.shape
+    if dense is None:
+        dense = (experts.fmt == "q4" and x.device.type == "cuda" and DENSE_MIN_TOKENS is not None
+                 and t >= DENSE_MIN_TOKENS and experts.hidden % 64 == 0 and experts.inter % 64 == 0)
+    if dense:
+        gu, down = DENSE_GATE_UP, DENSE_DOWN
+        if tile is not None or flat is not None:
+            gu = down = (tile or gu[0], bool(flat))
+        _experts_f16(x, ids, experts, inter, y, gu, down)
+        return
     if (inter.shape[0], y.shape[0]) != (t * top_k, t * top_k):
         raise ValueError("inter [T*k, I] and y [T*k, hidden] expected")
     seq = seq if seq is not None else t >= SEQ_MIN_TOKENS
@@ -320,6 +346,46 @@ def _experts_pass(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
         inter, meta, arows, w, s, y, ws, tickets, t, tk, experts.hidden, experts.inter,
         inter.stride(0), *strides(w, s), y.stride(0), FMT=fmt, S=experts.down_split, SEQ=seq,
         DIRECT=direct, **down_launch)
+
+
+def _experts_f16(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
+                 inter: torch.Tensor, y: torch.Tensor, gu_cfg: tuple[Q4Tile, bool],
+                 down_cfg: tuple[Q4Tile, bool]) -> None:
+    """experts_forward through each weight dequantized for this call (fp16 W.T of all experts,
+    kernels/triton_f16.py `dequantize`) and x rounded to fp16 once: the seq programs' split
+    ranges and merge order on many-warp tiles ((tile, one loop) per kernel), so the q4 tiles'
+    bits."""
+    t, top_k = ids.shape
+    tk = t * top_k
+    check_x(x, experts.hidden)
+    if experts.fmt != "q4" or any(c[0].nb != experts.tile.nb for c in (gu_cfg, down_cfg)):
+        raise ValueError(f"dense experts: q4 experts and tiles with BK {experts.tile.bk}")
+    if inter.shape != (tk, experts.inter) or y.shape != (tk, experts.hidden) \
+            or inter.dtype != torch.float16 or y.dtype != torch.float32:
+        raise ValueError("inter [T*k, I] float16 and y [T*k, hidden] float32 expected")
+    if tk == 0:
+        return
+    meta, arows = triton_moe_route.align(ids, experts.num_experts)
+    x16 = x.to(torch.float16)
+
+    def grid(n: int, tile: Q4Tile):  # (slot, n-tile, about twice an expert's average row tiles)
+        return arows.shape[0], triton.cdiv(n, tile.bn), triton.cdiv(2 * tk, experts.num_experts * tile.bm)
+
+    def launch(tile: Q4Tile, flat: bool) -> dict:
+        return dict(FMT=FMT_F16, BM=tile.bm, BN=tile.bn, BK=tile.bk, SEQ=True, DIRECT=False,
+                    ASM=False, FLAT=flat, num_warps=tile.warps, num_stages=tile.stages,
+                    **triton_pdl.launch(x))
+
+    i, h = experts.inter, experts.hidden
+    gu = triton_f16.dequantize(*experts.gu)  # [E, hidden, 2I]
+    _moe_gate_up_kernel[grid(2 * i, gu_cfg[0])](
+        x16, meta, arows, gu, gu, inter, y, y, t, tk, i, h, x16.stride(0), gu.stride(0), 0, 0, 0,
+        inter.stride(0), TOPK=top_k, S=experts.gu_split, **launch(*gu_cfg))
+    del gu  # its memory serves down's weights
+    down = triton_f16.dequantize(*experts.down)  # [E, I, hidden]
+    _moe_down_kernel[grid(h, down_cfg[0])](
+        inter, meta, arows, down, down, y, y, y, t, tk, h, i, inter.stride(0), down.stride(0),
+        0, 0, 0, y.stride(0), S=experts.down_split, **launch(*down_cfg))
 
 
 # ---- float64 reference (tests) ----------------------------------------------------------------

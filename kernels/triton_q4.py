@@ -5,7 +5,7 @@ tile loop (`q4_rows`) and split-K steps for the experts.
 The layout lets Triton load the raw bytes straight into the MMA operand layout (through shared
 memory, pipelined) and dequantize there: on the GPU, 4 bytes → 8 fp16 values by one PRMT, one
 shift, four LOP3 (the nibble ORed into the mantissa of 1024.0) and four half2 ops (inline PTX,
-`_nibbles_asm`); in the interpreter the same exact integers 0..15 by plain Triton (`_nibbles`).
+`_nibbles_asm`); in the interpreter the same exact integers 0..15 by plain Triton (`nibbles`).
 Either way the weight is then q * scale + min in fp16 by the same Triton line, so both paths
 give the same bits.
 
@@ -35,7 +35,7 @@ PREFETCH_BLOCKS = tl.constexpr(8)  # 32-blocks of K prefetched before waiting (G
 
 # ---- device code ------------------------------------------------------------------------------
 @triton.jit
-def _nibbles(byt):
+def nibbles(byt):
     """uint8 [16, BN] → (low, high) nibbles as exact fp16 0..15 (plain Triton)."""
     lo = ((byt & 0xF).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
     hi = ((byt >> 4).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
@@ -44,7 +44,7 @@ def _nibbles(byt):
 
 @triton.jit
 def _nibbles_asm(byt):
-    """_nibbles in PTX: 4 bytes b0..b3 → PRMT to b0 b2 b1 b3, then (t & 0x000F000F) | 1024.0
+    """nibbles in PTX: 4 bytes b0..b3 → PRMT to b0 b2 b1 b3, then (t & 0x000F000F) | 1024.0
     gives half2 (1024 + lo(b0), 1024 + lo(b1)); the high nibbles land as 1024 + 16 q and are
     scaled back by an exact fma (x/16 - 64)."""
     return tl.inline_asm_elementwise(
@@ -87,7 +87,7 @@ def _q4_step(acc, xr, row_mask, w_tile, sm_tile, n_mask, N, k0, k_hi, NB: tl.con
         if ASM:
             lo, hi = _nibbles_asm(byt)
         else:
-            lo, hi = _nibbles(byt)
+            lo, hi = nibbles(byt)
         lo = lo * s[None, :] + m[None, :]  # [16, BN] fp16 weights of k = kb + j
         hi = hi * s[None, :] + m[None, :]  # k = kb + 16 + j
         xm = row_mask[:, None] & live[None, :]

@@ -19,8 +19,8 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 pytest.importorskip("triton")
 
-from kernels import (cpu, moe_layout, q4_layout, triton_attention, triton_linear, triton_moe,  # noqa: E402
-                     triton_moe_route, triton_norm, triton_pdl, triton_q4)
+from kernels import (cpu, moe_layout, q4_layout, triton_attention, triton_f16, triton_linear,  # noqa: E402
+                     triton_moe, triton_moe_route, triton_norm, triton_pdl, triton_q4)
 from kernels.linear import Linear, quantize_q8  # noqa: E402
 from replica.models.synthetic import synthetic_model  # noqa: E402
 from tests.replica.schedules import StreamSpec, run_schedule, run_solo, small_core  # noqa: E402
@@ -225,6 +225,51 @@ def test_moe_wide_tiles_and_one_program_splits_give_the_split_programs_bits():
     for inter, y in outs[1:]:
         assert torch.equal(inter, outs[0][0]) and torch.equal(y, outs[0][1])
     assert not stacked.gu_tickets.any() and not stacked.down_tickets.any()
+
+
+DENSE_TILES = (q4_layout.DENSE_TILE, q4_layout.DENSE_WIDE_TILE)
+
+
+@pytest.mark.parametrize("n,k", [(5120, 2048), (2048, 4096), (128, 2048)])
+def test_dense_linear_gives_the_decode_tile_bits(n, k):
+    """Many rows run the weight dequantized once (fp16 W.T) on a many-warp fp16 tile (wgmma):
+    every row keeps the q4 tile's bits (the same fp16 weights, k steps, split ranges and merge
+    order), in the nested and the one-loop form, so the engine may choose it by batch size."""
+    g = torch.Generator(DEV).manual_seed(n * 5 + k)
+    lin = rand_q4(n, k, g)
+    m = q4_layout.DENSE_WIDE_ROWS + 77
+    x = torch.randn(m, k, generator=g, device=DEV)
+    res = torch.randn(m, n, generator=g, device=DEV)
+    ref = triton_q4.linear(lin, x, nan(m, n), res, tile=q4_layout.WIDE_TILE, seq=True)
+    assert triton_f16.plan(lin, m, x) == (q4_layout.DENSE_WIDE_TILE if n >= q4_layout.DENSE_MIN_N
+                                          else None)
+    assert torch.equal(triton_linear.linear(lin, x, nan(m, n), res), ref)  # the default takes it
+    for tile in DENSE_TILES:
+        for flat in (False, True):
+            out = triton_f16.linear(lin, x, nan(m, n), res, tile=tile, flat=flat)
+            assert torch.equal(out, ref), (tile, flat)
+    assert rel_err(ref, lin.reference(x) + res.double()) < TOL["q4"]
+
+
+def test_moe_dense_experts_give_the_split_programs_bits():
+    """Many tokens run the experts dequantized once per call on a many-warp fp16 tile: the
+    bits of the q4 expert programs, and the default takes it from DENSE_MIN_TOKENS."""
+    router, experts, stacked = real_moe()
+    g = torch.Generator(DEV).manual_seed(11)
+    t = triton_moe.DENSE_MIN_TOKENS + 88
+    x = torch.randn(t, 2048, generator=g, device=DEV)
+    ids, wts = torch.full((t, 8), -5, dtype=torch.int32, device=DEV), nan(t, 8)
+    triton_moe_route.route(x, router, 8, True, ids, wts)
+    outs = []
+    runs = [dict(tile=stacked.tile, seq=True), dict(), dict(dense=False)]
+    runs += [dict(dense=True, tile=tile, flat=flat) for tile in DENSE_TILES for flat in (False, True)]
+    for kw in runs:
+        inter, y = nan(8 * t, 768).half(), nan(8 * t, 2048)
+        triton_moe.experts_forward(x, ids, stacked, inter, y, **kw)
+        outs.append((inter, y))
+    assert torch.isfinite(outs[0][1]).all()
+    for kw, (inter, y) in zip(runs[1:], outs[1:]):
+        assert torch.equal(inter, outs[0][0]) and torch.equal(y, outs[0][1]), kw
 
 
 def test_moe_direct_slots_give_the_grouped_bits(monkeypatch):

@@ -22,8 +22,8 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 
 from kernels import cpu  # noqa: E402
-from kernels import (moe_layout, q4_layout, triton_attention, triton_linear, triton_moe,  # noqa: E402
-                     triton_moe_route, triton_norm, triton_q4)
+from kernels import (moe_layout, q4_layout, triton_attention, triton_f16, triton_linear,  # noqa: E402
+                     triton_moe, triton_moe_route, triton_norm, triton_q4)
 from kernels.linear import Linear, quantize_q4, quantize_q8  # noqa: E402
 
 FORMATS = {"f32": Linear.dense, "q4": quantize_q4, "q8": quantize_q8}
@@ -122,6 +122,46 @@ def test_q4_one_program_per_tile_gives_the_bits_of_the_split_programs(n, k):
         triton_q4.linear(lin, x, nan(21, n), tile=q4_layout.Q4Tile(nb=4))
 
 
+SMALL_DENSE = q4_layout.Q4Tile(bm=16, bn=32, nb=2, warps=4, stages=2)  # the interpreter's size
+
+
+def test_q4_dequantize_gives_the_weight_the_q4_tile_multiplies():
+    """fp16 W.T [K, N] (and a stack of experts [E, K, N]) from the re-packed q4 bytes: every
+    element at its place, within fp16 rounding of q * scale + min (the kernel's own line)."""
+    g = gen(21)
+    lins = [triton_linear.to_gpu_format(quantize_q4(torch.randn(40, 96, generator=g)))
+            for _ in range(3)]
+    wt = triton_f16.dequantize(lins[0].qs, lins[0].sm)
+    assert wt.dtype == torch.float16 and wt.shape == (96, 40)
+    ref = lins[0].dequantize()
+    torch.testing.assert_close(wt.float().T, ref, rtol=2e-3, atol=2e-3 * float(ref.abs().max()))
+    stack = triton_f16.dequantize(torch.stack([x.qs for x in lins]), torch.stack([x.sm for x in lins]))
+    assert stack.shape == (3, 96, 40) and torch.equal(stack[0], wt)
+    assert torch.equal(stack[2], triton_f16.dequantize(lins[2].qs, lins[2].sm))
+
+
+@pytest.mark.parametrize("n,k", [(72, 512), (80, 192)])
+def test_q4_dense_linear_matches_the_q4_tile(n, k):
+    """The weight dequantized once and fp16 MMAs on a many-warp tile, with the q4 tile's split
+    ranges and merge order: the q4 tile's values (its bits on the GPU, tests/kernels/
+    test_gpu.py; the interpreter's numpy dot of K = 64 rounds otherwise than two of K = 16).
+    The one-loop form (FLAT) gives the nested loops' bits."""
+    g = gen(n + k + 1)
+    lin = triton_linear.to_gpu_format(quantize_q4(torch.randn(n, k, generator=g)))
+    assert lin.split > 1
+    x = torch.randn(37, k, generator=g)
+    res = torch.randn(37, n, generator=g)
+    q4 = triton_q4.linear(lin, x, nan(37, n), res, tile=q4_layout.LINEAR_TILE, seq=True)
+    nested = triton_f16.linear(lin, x, nan(37, n), res, tile=SMALL_DENSE)
+    flat = triton_f16.linear(lin, x, nan(37, n), res, tile=SMALL_DENSE, flat=True)
+    assert torch.equal(flat, nested)
+    assert rel_err(nested, q4.double()) < 1e-6
+    assert rel_err(nested, lin.reference(x) + res.double()) < TOL["q4"]
+    assert triton_f16.plan(lin, 1 << 20, x) is None  # CPU tensors: never chosen by the engine
+    with pytest.raises(ValueError, match="split tile"):
+        triton_f16.linear(lin, x, nan(37, n), tile=q4_layout.Q4Tile(nb=4, warps=4))
+
+
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_linear_row_is_bitwise_independent_of_its_batch(fmt):
     g = gen(1)
@@ -157,11 +197,15 @@ def test_rms_norm_silu_mul_softmax_match_float64():
     assert rel_err(out, torch.softmax(logits.double(), -1)) < 1e-6
 
 
-@pytest.mark.parametrize("qk_norm,kv_dtype", [(True, torch.float32), (False, torch.float32),
-                                              (True, torch.bfloat16)])
-def test_qkv_rope_store_matches_reference_and_writes_only_its_slots(qk_norm, kv_dtype):
+@pytest.mark.parametrize("qk_norm,kv_dtype,h,kvh", [(True, torch.float32, 4, 2),
+                                                    (False, torch.float32, 4, 2),
+                                                    (True, torch.bfloat16, 4, 2),
+                                                    (True, torch.float32, 9, 3)])
+def test_qkv_rope_store_matches_reference_and_writes_only_its_slots(qk_norm, kv_dtype, h, kvh):
+    """(9, 3): SmolLM2's head counts: two programs of query heads, the second with one live
+    row, and three key heads padded to four."""
     g = gen(4)
-    t, h, kvh, d, nb, bs = 3, 4, 2, 16, 4, 4
+    t, d, nb, bs = 3, 16, 4, 4
     qkv = torch.randn(t, (h + 2 * kvh) * d, generator=g)
     positions = torch.tensor([0, 5, 9])
     ang = torch.randn(12, d, generator=g)
@@ -308,6 +352,37 @@ def test_moe_one_program_per_expert_tile_gives_the_bits_of_the_split_programs(mo
     inter, y = run(True)  # (one program per tile without dealing: the batch-invariance test)
     assert torch.equal(inter, split[0]) and torch.equal(y, split[1])
     assert torch.isfinite(y).all()
+
+
+def test_moe_dense_experts_match_the_q4_tile():
+    """q4 experts dequantized once per call, run on a many-warp fp16 tile with the q4 splits
+    (gate_up and down split K in four): the q4 seq programs' values (bits on the GPU), the
+    one-loop form the nested loops' bits, and the float64 reference."""
+    g = gen(13)
+    router, experts, stacked = _moe_setup("q4", g, hidden=256, inter=256)
+    t = 40
+    x = torch.randn(t, 256, generator=g)
+    ids, wts = torch.full((t, 2), -5, dtype=torch.int32), nan(t, 2)
+    triton_moe_route.route(x, router, 2, True, ids, wts)
+
+    def run(**kw):
+        inter, y = nan(2 * t, 256).to(torch.float16), nan(2 * t, 256)
+        triton_moe.experts_forward(x, ids, stacked, inter, y, **kw)
+        return inter, y
+
+    q4 = run(seq=True)
+    nested = run(dense=True, tile=SMALL_DENSE)
+    flat = run(dense=True, tile=SMALL_DENSE, flat=True)
+    assert torch.equal(flat[0], nested[0]) and torch.equal(flat[1], nested[1])
+    assert torch.isfinite(nested[1]).all()
+    default = run(dense=True)  # the GPU's tiles: gate_up nested, down in one loop
+    assert rel_err(default[1], nested[1].double()) < 1e-4  # numpy: a last bit of fp16 inter
+    assert rel_err(nested[1], q4[1].double()) < 1e-3  # inter is fp16: a last bit moves rows
+    _, _, out = (None, None, triton_moe_route.combine(nested[1], wts, nan(t, 256), None))
+    rout = triton_moe.moe_reference(x, router, experts, 2, True)[2]
+    assert rel_err(out, rout) < TOL["q4"]
+    with pytest.raises(ValueError, match="BK"):
+        run(dense=True, tile=q4_layout.Q4Tile(nb=4, warps=4))
 
 
 def test_moe_direct_slots_give_the_grouped_bits(monkeypatch):
