@@ -76,6 +76,9 @@ if 'nodense' in '$mode':  # no weights dequantized once per call: the q4 tiles e
     q4_layout.DENSE_MIN_ROWS = triton_moe.DENSE_MIN_TOKENS = None
 elif re.search(r'dense[0-9]+', '$mode'):  # rows / tokens from which the dense path runs
     q4_layout.DENSE_MIN_ROWS = triton_moe.DENSE_MIN_TOKENS = int(re.search(r'dense([0-9]+)', '$mode').group(1))
+if re.search(r'budget[0-9]+', '$mode'):  # a CUDA step's default token budget
+    from replica import config
+    config.CUDA_BATCH_TOKENS = int(re.search(r'budget([0-9]+)', '$mode').group(1))
 if 'grouped' in '$mode':  # every MoE launch groups its assignments by expert first (v8)
     triton_moe.DIRECT_MAX_TOKENS = 0
 if 'wide32' in '$mode':  # the 32-row tile (parallel splits) from 32 rows

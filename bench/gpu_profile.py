@@ -4,7 +4,8 @@ default EngineConfig — a prefill step of PROMPTS x PROMPT_LEN tokens, and deco
 64 streams. Prints, per scenario, each kernel's µs per step, calls and share; writes JSON. The
 kernel times are the GPU's own; the eager launch gaps between them are not in the shares.
 
-    python -m bench.gpu_profile [--prompts 8 --prompt-len 512] [--no-pdl] [--json out.json]
+    python -m bench.gpu_profile [--prompts 8 --prompt-len 512] [--prefill-step 1] [--no-pdl]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (CPU ops, not kernels)")
+    ap.add_argument("--prefill-step", type=int, default=1,
+                    help="profile this step of the prefill (later steps: longer contexts)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-pdl", action="store_true",
                     help="plain launches: each kernel's time is its own, without the wait for "
@@ -83,8 +86,11 @@ def main() -> None:
     while core.has_work:
         core.step()
     _add(core, args.prompts, args.prompt_len, 2, "prefill")
+    for _ in range(args.prefill_step - 1):  # a later chunk: its prompts attend to more context
+        core.step()
     tokens = min(args.prompts * args.prompt_len, core.config.batch_tokens)
-    results.append(_report(f"prefill {args.prompts} x {args.prompt_len}", _profile(core, 1), tokens))
+    results.append(_report(f"prefill {args.prompts} x {args.prompt_len}, step {args.prefill_step}",
+                           _profile(core, 1), tokens))
     while core.has_work:
         core.step()
     for streams in (1, 64):

@@ -22,7 +22,10 @@ from kernels.triton_linear import TileConfig, linear
 from kernels.triton_pdl import pdl_wait
 
 ROUTER_TILE = TileConfig(bm=16, bn=16, bk=256, warps=4, stages=2)  # f32/q8 routers: many programs
-SCAN = 256  # assignments examined per step when grouping
+# assignments examined per step when grouping: the next power of two of T*k, within these
+# bounds (a 4,096-token prefill step scanned 32K ids 256 at a time: 108 µs a layer on the
+# H200); the lists come out the same whatever the step
+SCAN_MIN, SCAN_MAX = 256, 4096
 
 
 # ---- device code ------------------------------------------------------------------------------
@@ -153,7 +156,8 @@ def align(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tens
     arows = torch.empty(slots, t, dtype=torch.int32, device=ids.device)  # an expert: <= 1 per token
     _moe_align_kernel[(num_experts,)](
         ids, meta, arows, tk, t, TOPK=top_k, E_PAD=max(16, triton.next_power_of_2(num_experts)),
-        SCAN=SCAN, num_warps=4, **triton_pdl.launch(ids))
+        SCAN=min(SCAN_MAX, max(SCAN_MIN, triton.next_power_of_2(tk))), num_warps=4,
+        **triton_pdl.launch(ids))
     return meta, arows
 
 

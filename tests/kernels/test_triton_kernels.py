@@ -385,6 +385,30 @@ def test_moe_dense_experts_match_the_q4_tile():
         run(dense=True, tile=q4_layout.Q4Tile(nb=4, warps=4))
 
 
+@pytest.mark.parametrize("scan", [None, 32])
+def test_align_lists_each_experts_assignments_in_order(scan, monkeypatch):
+    """The grouping: active experts in increasing id get slots 0, 1, ..., each with its count
+    and its assignments in increasing order — the same whether the ids are scanned in one
+    step (the default: T*k rounded up to a power of two) or in many (scan 32)."""
+    if scan:
+        monkeypatch.setattr(triton_moe_route, "SCAN_MIN", scan)
+        monkeypatch.setattr(triton_moe_route, "SCAN_MAX", scan)
+    g = gen(30)
+    # experts 12..15 are never routed to, and 3 only by the last token
+    pool = torch.tensor([e for e in range(12) if e != 3])
+    ids = torch.stack([pool[torch.randperm(11, generator=g)[:3]] for _ in range(50)])
+    ids[-1] = torch.tensor([3, 0, 1])
+    ids = ids.to(torch.int32)
+    meta, arows = triton_moe_route.align(ids, 16)
+    flat = ids.flatten()
+    experts = torch.unique(flat)
+    assert int(meta[0]) == len(experts) and experts.max() < 12 and 3 in experts.tolist()
+    for r, e in enumerate(experts.tolist()):
+        where = torch.nonzero(flat == e).flatten().to(torch.int32)
+        assert (int(meta[1 + 2 * r]), int(meta[2 + 2 * r])) == (e, len(where))
+        assert torch.equal(arows[r, :len(where)], where)
+
+
 def test_moe_direct_slots_give_the_grouped_bits(monkeypatch):
     """Up to DIRECT_MAX_TOKENS tokens every assignment is its own slot (its expert read from the
     ids, no grouping kernel): the bits of the grouped launch, also when tokens share an expert

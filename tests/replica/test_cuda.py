@@ -125,7 +125,7 @@ def others(n: int, context: int, vocab: int) -> list[StreamSpec]:
 @pytest.mark.parametrize("preset", [SMALL, "qwen3-30b-a3b-int4"])
 @pytest.mark.parametrize("context", [128, 2048])
 def test_cuda_stream_alone_vs_among_1_to_64_others_bitwise(preset, context):
-    """Default numerics (bf16 pool, tiled prefill from MIN_POSITION, step budget 4096, CUDA graphs): the
+    """Default numerics (bf16 pool, tiled prefill from MIN_POSITION, step budget 8192, CUDA graphs): the
     stream's tokens and logit bits are the same alone and among 1, 7, 31, 64 others whose
     prompts chunk the steps differently. One engine core serves every run (its blocks are
     reused in another order each time, freed ones NaN-poisoned)."""

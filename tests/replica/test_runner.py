@@ -78,7 +78,7 @@ def test_step_token_budget_defaults_by_device_and_obeys_an_explicit_one():
     from replica.errors import InvalidRequestError
 
     assert EngineConfig().batch_tokens == 256
-    assert EngineConfig(device="cuda").batch_tokens == 4096
+    assert EngineConfig(device="cuda").batch_tokens == 8192
     assert EngineConfig(device="cuda:1", max_batch_tokens=64).batch_tokens == 64
     with pytest.raises(InvalidRequestError):
         EngineConfig(max_batch_tokens=0)
