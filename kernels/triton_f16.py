@@ -7,7 +7,7 @@ The bits are the q4 tile's: `dequantize` computes each weight by the q4 tile's o
 (q * scale + min in fp16, one fused multiply-add on the GPU), x is rounded to fp16 as the q4
 tile rounds it, and `f16_splits` runs the same K split ranges, k steps in increasing order (a
 dot of BK = 64 is four MMAs of K = 16 chained in k order, as the q4 tile's two per 32-block)
-and the same split-order merge. So the engine may choose it by batch size (`dense`).
+and the same split-order merge. So the engine may choose it by batch size (`plan`).
 """
 
 from __future__ import annotations
@@ -97,7 +97,6 @@ def _f16_linear_kernel(x_ptr, wt_ptr, res_ptr, y_ptr, M, N, K, stride_x, stride_
     if HAS_RES:
         acc = tl.load(res_ptr + rows * stride_res + offs_n[None, :], mask=mask, other=0.0) + acc
     tl.store(y_ptr + rows * stride_y + offs_n[None, :], acc, mask=mask)
-
 
 
 # ---- host side --------------------------------------------------------------------------------
