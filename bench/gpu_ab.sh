@@ -59,6 +59,9 @@ import sys
 import re
 from kernels import q4_layout, triton_moe, triton_pdl
 triton_pdl.ENABLED = 'nopdl' not in '$mode'
+if 'wholechunk' in '$mode':  # a prefill chunk's attention in one FlashAttention call, K split off
+    from kernels import prefill
+    prefill.WHOLE_CHUNK = True
 if 'minpos512' in '$mode':  # prompt positions below 512 on the paged kernel (v7)
     from kernels import prefill
     prefill.MIN_POSITION = 512

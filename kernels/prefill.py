@@ -25,6 +25,12 @@ import torch.nn.functional as F
 
 PIECE = 256  # query positions per attention call (fixed: a property of the path, not the batch)
 MIN_POSITION = 256  # prompt positions below this attend through the paged kernel (GPU_NOTES v8)
+# CUDA: one FlashAttention call over the chunk's whole PIECE-aligned region with the K split off
+# (num_splits=1) instead of a call per piece, whose split-KV plan FlashAttention picks per piece
+# shape. The same invariance (a row's query block, its key blocks and their order follow from its
+# absolute position alone, the region starting on a multiple of FlashAttention's 64/128-row
+# query blocks), other bits. Off until measured on the H200 (GPU_NOTES v10, Left undone 1).
+WHOLE_CHUNK = False
 
 
 def compute_dtype(cache_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -68,8 +74,17 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if n == 0:
         return out
     end = start + n
-    first, last = start // piece, (end - 1) // piece
     dtype = compute_dtype(k_cache.dtype, q.device)
+    if WHOLE_CHUNK and dtype != torch.float32 and whole_chunk_supported():
+        piece = PIECE  # the region's alignment: a multiple of every query block size
+        first, last = start // piece, (end - 1) // piece
+        keys, values = gather_context(k_cache, v_cache, table, end, (last + 1) * piece, dtype)
+        qbuf = torch.zeros((last + 1 - first) * piece, h, d, dtype=dtype, device=q.device)
+        off = start - first * piece
+        qbuf[off: off + n] = q
+        out[:] = _flash_unsplit(qbuf, keys, values, scale)[off: off + n]
+        return out
+    first, last = start // piece, (end - 1) // piece
     keys, values = gather_context(k_cache, v_cache, table, end, (last + 1) * piece, dtype)
     # queries of every piece this chunk touches, zeros where it owns no token
     qbuf = torch.zeros((last + 1 - first) * piece, h, d, dtype=dtype, device=q.device)
@@ -112,6 +127,21 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
         k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
         return torch.ops.aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, True, False, scale=scale)[0]
+
+
+def whole_chunk_supported() -> bool:
+    """Whether this torch's FlashAttention takes num_splits (the K split can be turned off)."""
+    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    return op is not None and "num_splits" in str(op.default._schema)
+
+
+def _flash_unsplit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """FlashAttention-2 forward without a K split, causal aligned to the last key, grouped KV
+    heads native: q [Lq, H, D], k/v [Lk, KVH, D] 16-bit → [Lq, H, D]."""
+    lq, lk = q.shape[0], k.shape[0]
+    return torch.ops.aten._flash_attention_forward(
+        q[None], k[None], v[None], None, None, lq, lk, 0.0, True, False, scale=scale,
+        num_splits=1)[0][0]
 
 
 # ---- float64 reference (tests) -----------------------------------------------------------------
