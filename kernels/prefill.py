@@ -46,11 +46,16 @@ def gather_context(k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Te
     """K and V of positions [0, end) of one stream, zero-padded to `length` ≥ end:
     [length, KVH, D] each, in `dtype`. table [≥ ceil(end / block_size)] int32 block ids."""
     nb, bs, kvh, d = k_cache.shape
-    blocks = table[: -(-end // bs)].to(torch.int64)
+    used = -(-end // bs)
+    blocks = table[:used].to(torch.int64)
     out = []
     for cache in (k_cache, v_cache):
-        buf = torch.zeros(length, kvh, d, dtype=dtype, device=cache.device)
-        buf[:end] = cache.index_select(0, blocks).view(-1, kvh, d)[:end]
+        buf = torch.empty(length, kvh, d, dtype=dtype, device=cache.device)
+        if cache.dtype == dtype and used * bs <= length:  # gathered straight into place
+            torch.index_select(cache, 0, blocks, out=buf[:used * bs].view(used, bs, kvh, d))
+        else:
+            buf[:end] = cache.index_select(0, blocks).view(-1, kvh, d)[:end]
+        buf[end:] = 0  # the last block's slots past the chunk, and the padding
         out.append(buf)
     return out[0], out[1]
 
