@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 import torch
 
@@ -55,8 +56,8 @@ def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles) -> list[dict]:
                      ("seq", dict(tile=q4_layout.LINEAR_TILE, seq=True))]
             modes += [(f"{t.name} split", dict(tile=t, seq=False)) for t in tiles if t.warps == 1]
             modes += [(f"{t.name} seq", dict(tile=t, seq=True)) for t in tiles]
-            modes += [(f"dense {t.name}{' flat' if flat else ''}", dict(tile=t, flat=flat, f16=1))
-                      for t in dense_tiles for flat in (False, True) if m >= 256]
+            modes += [(f"dense {t.name}{f' flat{u}' if u else ''}", dict(tile=t, flat=u, f16=1))
+                      for t in dense_tiles for u in (0, 1, 2) if m >= 256]  # u k steps a loop
             plan_tile, plan_seq = triton_q4.plan(lin, m)  # what the engine runs: 32s = 32 rows, seq
             dense = triton_f16.plan(lin, m, x)
             plan = f"dense {dense.name}" if dense else f"{plan_tile.bm}{'s' if plan_seq else 'p'}"
@@ -65,6 +66,12 @@ def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles) -> list[dict]:
                 out = torch.empty(m, n, device=DEV)
                 f16, plan = kw.pop("f16", 0), kw.pop("plan", 0)
                 run = triton_f16.linear if f16 else triton_linear.linear if plan else triton_q4.linear
+                if f16:
+                    try:
+                        triton_f16.check_unroll(kw["flat"], k, lin.split, kw["tile"])
+                    except ValueError as e:
+                        print(f"linear   {name:<8} {m:>5} {label:<22} skipped: {e}", flush=True)
+                        continue
                 fn = lambda: run(lin, x, out, **kw)  # noqa: E731
                 ms = timed(fn, label)
                 same = ms == ms and torch.equal(out, ref)
@@ -95,7 +102,15 @@ def moe_modes(copy_gbs: float, ts, tiles, maxnregs, dense_tiles, profile=False) 
                    {"SEQ_MAXNREG": r, "DOWN_MAXNREG": r}) for r in maxnregs]
         modes += [(f"{tl.name} seq", tl, True, {}) for tl in tiles]
         modes += [(f"dense {tl.name}{' flat' if flat else ''}", tl, None, {"dense": True, "flat": flat})
-                  for tl in dense_tiles for flat in (False, True) if t >= 64]
+                  for tl in dense_tiles for flat in (0, 1) if t >= 64]
+        if t >= 64:  # k steps unrolled per loop iteration (3 = a split of down), 3 stages
+            # (shared memory: 3 steps of a 64x128 tile x 4 stages would take 288 KB)
+            gu3, down3 = (replace(c[0], stages=3) for c in (triton_moe.DENSE_GATE_UP,
+                                                             triton_moe.DENSE_DOWN))
+            modes.append(("dense gu 0, down flat3", None, None, {
+                "dense": True, "DENSE_DOWN": (down3, 3)}))
+            modes.append(("dense gu flat2, down flat3", None, None, {
+                "dense": True, "DENSE_GATE_UP": (gu3, 2), "DENSE_DOWN": (down3, 3)}))
         modes.append(("plan", None, None, {}))
         for label, tile, seq, knobs in modes:
             inter = torch.empty(t * 8, 768, dtype=torch.float16, device=DEV)
@@ -106,11 +121,11 @@ def moe_modes(copy_gbs: float, ts, tiles, maxnregs, dense_tiles, profile=False) 
                 setattr(triton_moe, k, v)
             fn = lambda: triton_moe.experts_forward(x, ids, stacked, inter, y, tile, seq, **kw)  # noqa: E731
             ms = timed(fn, label)
-            for k, v in default.items():
-                setattr(triton_moe, k, v)
             if profile and (label.startswith("dense") or label == "plan"):
                 for name, (us, calls) in sorted(profile_calls(fn, 3).items(), key=lambda kv: -kv[1][0]):
                     print(f"    {us:>9.1f} µs {calls:>4.1f}x  {name[:80]}")
+            for k, v in default.items():
+                setattr(triton_moe, k, v)
             if ref is None:
                 ref = y.clone()
             rows.append(_row("experts", "E128k8", t, label, ms, nbytes, flops, copy_gbs,

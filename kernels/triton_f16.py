@@ -51,12 +51,14 @@ def _dequant_kernel(qs_ptr, sm_ptr, out_ptr, N, K, BN: tl.constexpr, PDL: tl.con
 
 @triton.jit
 def f16_splits(x_ptr, x_rows, row_mask, stride_x, wt_ptr, n0, n_mask, N, K, BM: tl.constexpr,
-               BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr, FLAT: tl.constexpr = False):
+               BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr, FLAT: tl.constexpr = 0):
     """q4_splits on the weight dequantized once (wt: fp16 W.T [K, N], `dequantize`) with x in
     fp16: the same split ranges, k steps in increasing order (a BK dot is BK/16 MMAs of K = 16
     chained in k order, as _q4_step's two per 32-block) and merge order, so on the GPU the
-    same bits per row. FLAT: one loop over all of K, each split's partial folded in at its
-    edge (K is whole splits: split_count divides the k steps)."""
+    same bits per row. FLAT = u >= 1: one loop over all of K, u k steps unrolled per iteration
+    (u divides a split's k steps; u = all of them: the loop runs over the splits), each split's
+    partial folded in at its edge (K is whole splits: split_count divides the k steps); 0: a
+    loop per split."""
     kk = tl.arange(0, BK)
     xr = x_ptr + x_rows.to(tl.int64)[:, None] * stride_x + kk[None, :]
     wr = wt_ptr + kk[:, None] * N + (n0 + tl.arange(0, BN))[None, :]
@@ -64,11 +66,12 @@ def f16_splits(x_ptr, x_rows, row_mask, stride_x, wt_ptr, n0, n_mask, N, K, BM: 
     if FLAT:
         per = tl.cdiv(tl.cdiv(K, BK), S) * BK
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            a = tl.load(xr + k0, mask=row_mask[:, None], other=0.0)
-            b = tl.load(wr + k0 * N, mask=n_mask[None, :], other=0.0)
-            acc = tl.dot(a, b, acc)
-            edge = (k0 + BK) % per == 0
+        for k0 in range(0, K, BK * FLAT):
+            for u in tl.static_range(FLAT):
+                a = tl.load(xr + k0 + u * BK, mask=row_mask[:, None], other=0.0)
+                b = tl.load(wr + (k0 + u * BK) * N, mask=n_mask[None, :], other=0.0)
+                acc = tl.dot(a, b, acc)
+            edge = (k0 + BK * FLAT) % per == 0
             total = tl.where(edge, tl.where(k0 < per, acc, total + acc), total)
             acc = tl.where(edge, 0.0, acc)
     else:
@@ -113,6 +116,20 @@ def dequantize(qs: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
     return out
 
 
+SHARED_BYTES = 227 * 1024  # shared memory a program may take (H100/H200)
+
+
+def check_unroll(flat: int, k: int, split: int, tile: Q4Tile) -> None:
+    """flat (f16_splits' FLAT) must divide the k steps of a split, and the pipeline's stages of
+    flat k steps of x and W tiles (fp16) must fit in shared memory."""
+    steps = k // (split * tile.bk)
+    if flat < 0 or (flat and steps % flat):
+        raise ValueError(f"flat {flat}: must divide a split's {steps} k steps")
+    need = tile.stages * max(flat, 1) * (tile.bm + tile.bn) * tile.bk * 2
+    if need > SHARED_BYTES:
+        raise ValueError(f"flat {flat} on {tile.name}: {need // 1024} KB of shared memory")
+
+
 def plan(lin: Q4Linear, rows: int, x: torch.Tensor) -> Q4Tile | None:
     """The dense tile for `rows` rows of x through lin, or None: the q4 tiles (CPU tensors,
     too few rows, a narrow weight). Every choice gives the same bits."""
@@ -125,15 +142,17 @@ def plan(lin: Q4Linear, rows: int, x: torch.Tensor) -> Q4Tile | None:
 
 def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
            residual: torch.Tensor | None = None, tile: Q4Tile | None = None,
-           flat: bool = False) -> torch.Tensor:
+           flat: int = 0) -> torch.Tensor:
     """kernels/triton_q4.py `linear` through the weight dequantized once (fp16 W.T) and a
     many-warp fp16 tile (default: `plan`'s, or DENSE_TILE): the bits of the q4 tiles.
     x [n, K] float32, rounded to fp16 once (as the q4 tile rounds it); flat: the one-loop
-    split form (slower here; the MoE down projection takes it)."""
+    split form, its k steps unrolled this many per iteration (`f16_splits`; slower here, the
+    MoE down projection takes it)."""
     tile = tile or plan(lin, x.shape[0], x) or q4_layout.DENSE_TILE
     if tile.nb != LINEAR_TILE.nb:
         raise ValueError(f"q4 linear: tile {tile.name} does not match the split tile {LINEAR_TILE.name}")
     n, big_n, k = x.shape[0], lin.out_features, lin.in_features
+    check_unroll(flat, k, lin.split, tile)
     wt = dequantize(lin.qs, lin.sm)
     x16 = x.to(torch.float16)
     res = residual if residual is not None else out

@@ -39,12 +39,14 @@ from kernels.triton_q4 import (q4_rows, q4_splits, split_load_sum, split_range, 
 EXPERT_TILE = TileConfig(bm=16, bn=32, bk=128, warps=4, stages=2)  # f32/q8 experts
 FMT_F16 = 3  # q4 experts dequantized once per call (kernels/triton_f16.py `dequantize`)
 # from this many tokens on CUDA q4 experts are dequantized once per call into fp16 W.T and run
-# on many-warp fp16 tiles (kernels/triton_f16.py): the same bits. None: off. (tile, one loop):
-# gate_up 128 x 128 on 8 warps; down, whose K splits are 3 k steps each, 64 x 128 on 4 warps in
-# one loop over K (H200, 4,096 tokens: 694 and 674 µs, GPU_NOTES v10)
+# on many-warp fp16 tiles (kernels/triton_f16.py): the same bits. None: off. (tile, FLAT of
+# f16_splits: 0 a loop per split, u one loop over K with u k steps an iteration): gate_up
+# 128 x 128 on 8 warps, a loop per split; down, whose K splits are 3 k steps each, 64 x 128 on
+# 4 warps in one loop (H200, 4,096 tokens: 694 and 674 µs, GPU_NOTES v10; down with u = 3, a
+# loop iteration per split, is unmeasured)
 DENSE_MIN_TOKENS: int | None = 512
-DENSE_GATE_UP = (Q4Tile(bm=128, bn=128, nb=2, warps=8, stages=4), False)
-DENSE_DOWN = (Q4Tile(bm=64, bn=128, nb=2, warps=4, stages=4), True)
+DENSE_GATE_UP = (Q4Tile(bm=128, bn=128, nb=2, warps=8, stages=4), 0)
+DENSE_DOWN = (Q4Tile(bm=64, bn=128, nb=2, warps=4, stages=4), 1)
 CHUNK_TOKENS = 512  # tokens per pass of split programs: bounds their split-K partials
 # from this many tokens one program runs all K splits of its q4 expert tile (no partials in
 # memory), and from WIDE_MIN_TOKENS the row tile widens: the same bits, so free thresholds
@@ -132,7 +134,7 @@ def _moe_gate_up_kernel(x_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, inter_ptr, ws_
                         stride_inter, FMT: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
                         BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr, SEQ: tl.constexpr,
                         DIRECT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
-                        FLAT: tl.constexpr = False):
+                        FLAT: tl.constexpr = 0):
     """inter[a, j] = silu(x[t] . Wg[e, j]) * (x[t] . Wu[e, j]) for the slot's assignments a
     (t = a // k); the tile's BN interleaved gate/up rows give BN // 2 outputs j. With S > 1
     K splits run by S programs (not SEQ), partials go through ws [S, T*k, 2I] and the last
@@ -182,7 +184,7 @@ def _moe_down_kernel(inter_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, y_ptr, ws_ptr
                      N, K, stride_inter, stride_we, stride_w, stride_se, stride_s, stride_y,
                      FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      S: tl.constexpr, SEQ: tl.constexpr, DIRECT: tl.constexpr, ASM: tl.constexpr,
-                     PDL: tl.constexpr, FLAT: tl.constexpr = False):
+                     PDL: tl.constexpr, FLAT: tl.constexpr = 0):
     """y[a, n] = inter[a] . Wd[e, n] for the slot's assignments a (splits as in gate_up)."""
     pdl_wait(PDL)
     expert, count = _slot(meta_ptr, DIRECT)
@@ -246,7 +248,7 @@ def prepare_experts(experts: tuple[tuple[Linear, Linear], ...], device: str) -> 
 def experts_forward(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
                     inter: torch.Tensor, y: torch.Tensor, tile: TileConfig | Q4Tile | None = None,
                     seq: bool | None = None, dense: bool | None = None,
-                    flat: bool | None = None) -> None:
+                    flat: int | None = None) -> None:
     """y [T*k, hidden] ← expert(ids[t, r]) applied to x[t], row a = t*k + r; inter [T*k, I]
     (float16 for q4/q8 experts: the down GEMM rounds it to fp16 anyway, so the bits are the
     same and its bytes half). tile: the f32/q8 TileConfig, or a q4 Q4Tile with the BK the
@@ -265,7 +267,7 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
     if dense:
         gu, down = DENSE_GATE_UP, DENSE_DOWN
         if tile is not None or flat is not None:
-            gu = down = (tile or gu[0], bool(flat))
+            gu = down = (tile or gu[0], int(flat or 0))
         _experts_f16(x, ids, experts, inter, y, gu, down)
         return
     if (inter.shape[0], y.shape[0]) != (t * top_k, t * top_k):
@@ -349,11 +351,11 @@ def _experts_pass(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
 
 
 def _experts_f16(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
-                 inter: torch.Tensor, y: torch.Tensor, gu_cfg: tuple[Q4Tile, bool],
-                 down_cfg: tuple[Q4Tile, bool]) -> None:
+                 inter: torch.Tensor, y: torch.Tensor, gu_cfg: tuple[Q4Tile, int],
+                 down_cfg: tuple[Q4Tile, int]) -> None:
     """experts_forward through each weight dequantized for this call (fp16 W.T of all experts,
     kernels/triton_f16.py `dequantize`) and x rounded to fp16 once: the seq programs' split
-    ranges and merge order on many-warp tiles ((tile, one loop) per kernel), so the q4 tiles'
+    ranges and merge order on many-warp tiles ((tile, FLAT) per kernel), so the q4 tiles'
     bits."""
     t, top_k = ids.shape
     tk = t * top_k
@@ -363,6 +365,8 @@ def _experts_f16(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
     if inter.shape != (tk, experts.inter) or y.shape != (tk, experts.hidden) \
             or inter.dtype != torch.float16 or y.dtype != torch.float32:
         raise ValueError("inter [T*k, I] float16 and y [T*k, hidden] float32 expected")
+    triton_f16.check_unroll(gu_cfg[1], experts.hidden, experts.gu_split, gu_cfg[0])
+    triton_f16.check_unroll(down_cfg[1], experts.inter, experts.down_split, down_cfg[0])
     if tk == 0:
         return
     meta, arows = triton_moe_route.align(ids, experts.num_experts)
@@ -371,7 +375,7 @@ def _experts_f16(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
     def grid(n: int, tile: Q4Tile):  # (slot, n-tile, about twice an expert's average row tiles)
         return arows.shape[0], triton.cdiv(n, tile.bn), triton.cdiv(2 * tk, experts.num_experts * tile.bm)
 
-    def launch(tile: Q4Tile, flat: bool) -> dict:
+    def launch(tile: Q4Tile, flat: int) -> dict:
         return dict(FMT=FMT_F16, BM=tile.bm, BN=tile.bn, BK=tile.bk, SEQ=True, DIRECT=False,
                     ASM=False, FLAT=flat, num_warps=tile.warps, num_stages=tile.stages,
                     **triton_pdl.launch(x))

@@ -10,6 +10,7 @@ same kernels and must not share a process with compiled ones):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -244,14 +245,16 @@ def test_dense_linear_gives_the_decode_tile_bits(n, k):
     assert triton_f16.plan(lin, m, x) == (q4_layout.DENSE_WIDE_TILE if n >= q4_layout.DENSE_MIN_N
                                           else None)
     assert torch.equal(triton_linear.linear(lin, x, nan(m, n), res), ref)  # the default takes it
-    for tile in DENSE_TILES:
-        for flat in (False, True):
-            out = triton_f16.linear(lin, x, nan(m, n), res, tile=tile, flat=flat)
-            assert torch.equal(out, ref), (tile, flat)
+    # flat 2: two k steps an iteration (every split here has 2k), on 3 stages (shared memory)
+    forms = [(tile, flat) for tile in DENSE_TILES for flat in (0, 1)]
+    forms.append((dataclasses.replace(q4_layout.DENSE_WIDE_TILE, stages=3), 2))
+    for tile, flat in forms:
+        out = triton_f16.linear(lin, x, nan(m, n), res, tile=tile, flat=flat)
+        assert torch.equal(out, ref), (tile, flat)
     assert rel_err(ref, lin.reference(x) + res.double()) < TOL["q4"]
 
 
-def test_moe_dense_experts_give_the_split_programs_bits():
+def test_moe_dense_experts_give_the_split_programs_bits(monkeypatch):
     """Many tokens run the experts dequantized once per call on a many-warp fp16 tile: the
     bits of the q4 expert programs, and the default takes it from DENSE_MIN_TOKENS."""
     router, experts, stacked = real_moe()
@@ -262,10 +265,18 @@ def test_moe_dense_experts_give_the_split_programs_bits():
     triton_moe_route.route(x, router, 8, True, ids, wts)
     outs = []
     runs = [dict(tile=stacked.tile, seq=True), dict(), dict(dense=False)]
-    runs += [dict(dense=True, tile=tile, flat=flat) for tile in DENSE_TILES for flat in (False, True)]
+    runs += [dict(dense=True, tile=tile, flat=flat) for tile in DENSE_TILES for flat in (0, 1)]
+    runs.append(dict(unrolled=True))  # k steps unrolled: gate_up 2 an iteration, down 3 (a split)
     for kw in runs:
         inter, y = nan(8 * t, 768).half(), nan(8 * t, 2048)
-        triton_moe.experts_forward(x, ids, stacked, inter, y, **kw)
+        if kw.get("unrolled"):
+            gu, down = (dataclasses.replace(c[0], stages=3)
+                        for c in (triton_moe.DENSE_GATE_UP, triton_moe.DENSE_DOWN))
+            monkeypatch.setattr(triton_moe, "DENSE_GATE_UP", (gu, 2))
+            monkeypatch.setattr(triton_moe, "DENSE_DOWN", (down, 3))
+            triton_moe.experts_forward(x, ids, stacked, inter, y)
+        else:
+            triton_moe.experts_forward(x, ids, stacked, inter, y, **kw)
         outs.append((inter, y))
     assert torch.isfinite(outs[0][1]).all()
     for kw, (inter, y) in zip(runs[1:], outs[1:]):

@@ -140,7 +140,7 @@ def test_q4_dequantize_gives_the_weight_the_q4_tile_multiplies():
     assert torch.equal(stack[2], triton_f16.dequantize(lins[2].qs, lins[2].sm))
 
 
-@pytest.mark.parametrize("n,k", [(72, 512), (80, 192)])
+@pytest.mark.parametrize("n,k", [(72, 512), (80, 192), (72, 2048)])
 def test_q4_dense_linear_matches_the_q4_tile(n, k):
     """The weight dequantized once and fp16 MMAs on a many-warp tile, with the q4 tile's split
     ranges and merge order: the q4 tile's values (its bits on the GPU, tests/kernels/
@@ -153,8 +153,15 @@ def test_q4_dense_linear_matches_the_q4_tile(n, k):
     res = torch.randn(37, n, generator=g)
     q4 = triton_q4.linear(lin, x, nan(37, n), res, tile=q4_layout.LINEAR_TILE, seq=True)
     nested = triton_f16.linear(lin, x, nan(37, n), res, tile=SMALL_DENSE)
-    flat = triton_f16.linear(lin, x, nan(37, n), res, tile=SMALL_DENSE, flat=True)
-    assert torch.equal(flat, nested)
+    flat = triton_f16.linear(lin, x, nan(37, n), res, tile=SMALL_DENSE, flat=1)
+    steps = k // (lin.split * SMALL_DENSE.bk)  # (72, 2048): 2 k steps a split
+    unrolled = triton_f16.linear(lin, x, nan(37, n), res, tile=SMALL_DENSE, flat=steps)
+    assert torch.equal(flat, nested) and torch.equal(unrolled, nested)
+    with pytest.raises(ValueError, match="divide"):
+        triton_f16.linear(lin, x, nan(37, n), res, tile=SMALL_DENSE, flat=steps + 1)
+    with pytest.raises(ValueError, match="shared memory"):  # 8 stages of 128 x 128: 256 KB
+        triton_f16.linear(lin, x, nan(37, n), res, tile=q4_layout.Q4Tile(128, 128, 2, 8, 8),
+                          flat=1)
     assert rel_err(nested, q4.double()) < 1e-6
     assert rel_err(nested, lin.reference(x) + res.double()) < TOL["q4"]
     assert triton_f16.plan(lin, 1 << 20, x) is None  # CPU tensors: never chosen by the engine
@@ -373,12 +380,12 @@ def test_moe_dense_experts_match_the_q4_tile(monkeypatch):
 
     q4 = run(seq=True)
     nested = run(dense=True, tile=SMALL_DENSE)
-    flat = run(dense=True, tile=SMALL_DENSE, flat=True)
+    flat = run(dense=True, tile=SMALL_DENSE, flat=1)
     assert torch.equal(flat[0], nested[0]) and torch.equal(flat[1], nested[1])
     assert torch.isfinite(nested[1]).all()
     # the default's per-kernel forms (gate_up a loop per split, down one loop), small tiles
-    monkeypatch.setattr(triton_moe, "DENSE_GATE_UP", (SMALL_DENSE, False))
-    monkeypatch.setattr(triton_moe, "DENSE_DOWN", (SMALL_DENSE, True))
+    monkeypatch.setattr(triton_moe, "DENSE_GATE_UP", (SMALL_DENSE, 0))
+    monkeypatch.setattr(triton_moe, "DENSE_DOWN", (SMALL_DENSE, 1))
     default = run(dense=True)
     assert torch.equal(default[0], nested[0]) and torch.equal(default[1], nested[1])
     assert rel_err(nested[1], q4[1].double()) < 1e-3  # inter is fp16: a last bit moves rows
