@@ -9,7 +9,9 @@ slot's rows, and the last split program of (slot, n-tile) sums them in split ord
 epilogue (SiLU·up, or the down projection's store). From SEQ_MIN_TOKENS tokens one program
 runs all S splits of its tile instead (`q4_splits`: the same bits, no partials in memory).
 Up to DIRECT_MAX_TOKENS tokens the grouping is skipped: slot a is assignment a, its expert
-read from the top-k ids (one row per program; the same bits, no align kernel).
+read from the top-k ids (one row per program; the same bits, no align kernel). From
+DENSE_MIN_TOKENS tokens (prefill) the experts are dequantized once per call and run on
+many-warp fp16 tiles (kernels/triton_f16.py; the same bits again).
 f32/q8 experts run the f32/q8 loop of kernels/triton_linear.py unsplit.
 
 Batch invariance: a row's GEMM result depends only on its own x row and the expert's weights
@@ -363,8 +365,9 @@ def _experts_f16(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
     if experts.fmt != "q4" or any(c[0].nb != experts.tile.nb for c in (gu_cfg, down_cfg)):
         raise ValueError(f"dense experts: q4 experts and tiles with BK {experts.tile.bk}")
     if inter.shape != (tk, experts.inter) or y.shape != (tk, experts.hidden) \
-            or inter.dtype != torch.float16 or y.dtype != torch.float32:
-        raise ValueError("inter [T*k, I] float16 and y [T*k, hidden] float32 expected")
+            or inter.dtype != torch.float16 or y.dtype != torch.float32 \
+            or not (inter.is_contiguous() and y.is_contiguous()):
+        raise ValueError("contiguous inter [T*k, I] float16 and y [T*k, hidden] float32 expected")
     triton_f16.check_unroll(gu_cfg[1], experts.hidden, experts.gu_split, gu_cfg[0])
     triton_f16.check_unroll(down_cfg[1], experts.inter, experts.down_split, down_cfg[0])
     if tk == 0:
