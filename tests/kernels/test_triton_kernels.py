@@ -282,6 +282,16 @@ def _moe_setup(fmt, g, e=8, hidden=64, inter=32):
     return router, experts, moe_layout.StackedExperts.stack(experts)
 
 
+def _routed(g, size, t):
+    """q4 experts (hidden = inter = size), t random tokens and their top-2 routing:
+    (router, experts, stacked, x, ids, wts)."""
+    router, experts, stacked = _moe_setup("q4", g, hidden=size, inter=size)
+    x = torch.randn(t, size, generator=g)
+    ids, wts = torch.full((t, 2), -5, dtype=torch.int32), nan(t, 2)
+    triton_moe_route.route(x, router, 2, True, ids, wts)
+    return router, experts, stacked, x, ids, wts
+
+
 def _moe(x, router, stacked, top_k, residual=None, tile=None):
     t = x.shape[0]
     ids, wts = torch.full((t, top_k), -5, dtype=torch.int32), nan(t, top_k)
@@ -338,13 +348,9 @@ def test_moe_one_program_per_expert_tile_gives_the_bits_of_the_split_programs(mo
     """Both q4 expert GEMMs split K in four; seq runs the four splits in one program: the
     same bits, which lets a big batch take it while a lone token keeps the split programs.
     Long prefills also deal an expert's row tiles out to several programs: the same bits."""
-    g = gen(11)
-    router, experts, stacked = _moe_setup("q4", g, hidden=256, inter=256)
-    assert (stacked.gu_split, stacked.down_split) == (4, 4)
     t = 48
-    x = torch.randn(t, 256, generator=g)
-    ids, wts = torch.full((t, 2), -5, dtype=torch.int32), nan(t, 2)
-    triton_moe_route.route(x, router, 2, True, ids, wts)
+    router, experts, stacked, x, ids, wts = _routed(gen(11), 256, t)
+    assert (stacked.gu_split, stacked.down_split) == (4, 4)
     assert torch.bincount(ids.flatten().long()).max() > 16  # an expert has two row tiles
 
     def run(seq):
@@ -365,13 +371,9 @@ def test_moe_dense_experts_match_the_q4_tile(monkeypatch):
     """q4 experts dequantized once per call, run on a many-warp fp16 tile with the q4 splits
     (gate_up and down split K in two): the q4 seq programs' values (bits on the GPU), the
     one-loop form the nested loops' bits, and the float64 reference."""
-    g = gen(13)
-    router, experts, stacked = _moe_setup("q4", g, hidden=128, inter=128)
-    assert (stacked.gu_split, stacked.down_split) == (2, 2)
     t = 24
-    x = torch.randn(t, 128, generator=g)
-    ids, wts = torch.full((t, 2), -5, dtype=torch.int32), nan(t, 2)
-    triton_moe_route.route(x, router, 2, True, ids, wts)
+    router, experts, stacked, x, ids, wts = _routed(gen(13), 128, t)
+    assert (stacked.gu_split, stacked.down_split) == (2, 2)
 
     def run(**kw):
         inter, y = nan(2 * t, 128).to(torch.float16), nan(2 * t, 128)
