@@ -80,21 +80,18 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         return out
     end = start + n
     dtype = compute_dtype(k_cache.dtype, q.device)
-    if WHOLE_CHUNK and dtype != torch.float32 and whole_chunk_supported():
+    whole = WHOLE_CHUNK and dtype != torch.float32 and whole_chunk_supported()  # CUDA only
+    if whole:
         piece = PIECE  # the region's alignment: a multiple of every query block size
-        first, last = start // piece, (end - 1) // piece
-        keys, values = gather_context(k_cache, v_cache, table, end, (last + 1) * piece, dtype)
-        qbuf = torch.zeros((last + 1 - first) * piece, h, d, dtype=dtype, device=q.device)
-        off = start - first * piece
-        qbuf[off: off + n] = q
-        out[:] = _flash_unsplit(qbuf, keys, values, scale)[off: off + n]
-        return out
     first, last = start // piece, (end - 1) // piece
     keys, values = gather_context(k_cache, v_cache, table, end, (last + 1) * piece, dtype)
     # queries of every piece this chunk touches, zeros where it owns no token
     qbuf = torch.zeros((last + 1 - first) * piece, h, d, dtype=dtype, device=q.device)
     off = start - first * piece
     qbuf[off: off + n] = q
+    if whole:
+        out[:] = _flash_unsplit(qbuf, keys, values, scale)[off: off + n]
+        return out
     for p in range(first, last + 1):
         lo = p * piece
         qp = qbuf[(p - first) * piece: (p - first + 1) * piece]  # [PIECE, H, D]
