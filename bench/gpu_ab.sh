@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call comparing kernel variants: the kernels' GPU tests, the kernel benchmark over
+# One device call comparing kernel variants: the kernels' GPU tests (PREFILL_TESTS=1: also the
+# prefill attention's), the kernel benchmark over
 # launch variants (bench/kernel_bench.py: split-K program targets, programmatic dependent launch
 # on/off), optionally the row modes (ROW_MODES=1) and a kernel profile of engine steps
 # (PROFILE=1), the engine's bitwise tests, then the engine benchmark once per mode, each in its
@@ -17,6 +18,11 @@ if [ -n "${KERNEL_TESTS-1}" ]; then
   stamp "kernel tests"
   timeout "${T_TESTS:-200}" python -m pytest -q -n 0 -x tests/kernels/test_gpu.py \
     -k "${KERNEL_K:-not engine and not stream_alone}" 2>&1 | tail -15
+fi
+
+if [ -n "${PREFILL_TESTS-}" ]; then  # tests/kernels/test_prefill.py on CUDA (also "cuda-whole")
+  stamp "prefill attention tests"
+  timeout "${T_TESTS:-200}" python -m pytest -q -n 0 tests/kernels/test_prefill.py 2>&1 | tail -8
 fi
 
 if [ -n "${BENCH-1}" ]; then
