@@ -20,6 +20,8 @@ contexts stay on the paged kernel, whose bits decode shares (runner.py, Chunk ro
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -131,6 +133,7 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
             q, k, v, 0.0, True, False, scale=scale)[0]
 
 
+@functools.cache
 def whole_chunk_supported() -> bool:
     """Whether this torch's FlashAttention takes num_splits (the K split can be turned off)."""
     op = getattr(torch.ops.aten, "_flash_attention_forward", None)

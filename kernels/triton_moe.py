@@ -265,7 +265,8 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
     t, top_k = ids.shape
     if dense is None:
         dense = (experts.fmt == "q4" and x.device.type == "cuda" and DENSE_MIN_TOKENS is not None
-                 and t >= DENSE_MIN_TOKENS and experts.hidden % 64 == 0 and experts.inter % 64 == 0)
+                 and t >= DENSE_MIN_TOKENS and experts.hidden % DENSE_GATE_UP[0].bk == 0
+                 and experts.inter % DENSE_DOWN[0].bk == 0)
     if dense:
         gu, down = DENSE_GATE_UP, DENSE_DOWN
         if tile is not None or flat is not None:
