@@ -54,47 +54,22 @@ fi
 
 if [ -n "${ENGINE_TESTS-1}" ]; then
   stamp "engine: a stream alone vs among 1..64 others, bitwise; CUDA engine tests"
-  timeout "${T_ENGINE_TESTS:-300}" python -m pytest -q -n 0 tests/kernels/test_gpu.py tests/replica/test_cuda.py \
-    -k "engine or stream_alone or cuda" 2>&1 | tail -15
+  # ENGINE_TEST_MODE: run them with a mode's knobs set (bench/ab_modes.py), e.g. wholechunk
+  timeout "${T_ENGINE_TESTS:-300}" python -c "
+import sys, pytest
+from bench.ab_modes import apply
+apply('${ENGINE_TEST_MODE:-pdl}')
+sys.exit(pytest.main(['-q', '-n', '0', 'tests/kernels/test_gpu.py', 'tests/replica/test_cuda.py',
+                      '-k', 'engine or stream_alone or cuda']))
+" 2>&1 | tail -15
 fi
 
 for mode in ${ENGINE_MODES-pdl nopdl}; do  # nopdl: plain launches; splitrows: v7's row modes
   stamp "engine benchmark, $mode"
   timeout "${T_ENGINE:-200}" python -c "
 import sys
-import re
-from kernels import q4_layout, triton_moe, triton_pdl
-triton_pdl.ENABLED = 'nopdl' not in '$mode'
-if 'wholechunk' in '$mode':  # a prefill chunk's attention in one FlashAttention call, K split off
-    from kernels import prefill
-    prefill.WHOLE_CHUNK = True
-if 'minpos512' in '$mode':  # prompt positions below 512 on the paged kernel (v7)
-    from kernels import prefill
-    prefill.MIN_POSITION = 512
-if 'nomaxnreg' in '$mode':  # the seq expert kernels at the compiler's register count (v8)
-    triton_moe.SEQ_MAXNREG = triton_moe.DOWN_MAXNREG = None
-if re.search(r'downnreg[0-9]+', '$mode'):  # the down kernel's own cap (0: none)
-    triton_moe.DOWN_MAXNREG = int(re.search(r'downnreg([0-9]+)', '$mode').group(1)) or None
-if re.search(r'mp[0-9]+', '$mode'):  # q4 weights split for this many programs at M = 1
-    q4_layout.MAX_PROGRAMS = int(re.search(r'mp([0-9]+)', '$mode').group(1))
-if re.search(r'attn[0-9]+_[0-9]+', '$mode'):  # paged attention split-kernel launch: warps_stages
-    from kernels import triton_attention
-    w, st = re.search(r'attn([0-9]+)_([0-9]+)', '$mode').groups()
-    triton_attention.WARPS, triton_attention.STAGES = int(w), int(st)
-if 'nodense' in '$mode':  # no weights dequantized once per call: the q4 tiles everywhere (v9)
-    q4_layout.DENSE_MIN_ROWS = triton_moe.DENSE_MIN_TOKENS = None
-elif re.search(r'dense[0-9]+', '$mode'):  # rows / tokens from which the dense path runs
-    q4_layout.DENSE_MIN_ROWS = triton_moe.DENSE_MIN_TOKENS = int(re.search(r'dense([0-9]+)', '$mode').group(1))
-if re.search(r'budget[0-9]+', '$mode'):  # a CUDA step's default token budget
-    from replica import config
-    config.CUDA_BATCH_TOKENS = int(re.search(r'budget([0-9]+)', '$mode').group(1))
-if 'grouped' in '$mode':  # every MoE launch groups its assignments by expert first (v8)
-    triton_moe.DIRECT_MAX_TOKENS = 0
-if 'wide32' in '$mode':  # the 32-row tile (parallel splits) from 32 rows
-    q4_layout.WIDE_MIN_ROWS = 32
-if 'splitrows' in '$mode':  # every batch size on the decode tile with parallel K splits (v7)
-    q4_layout.SEQ_MIN_ROWS = q4_layout.WIDE_MIN_ROWS = 1 << 30
-    triton_moe.SEQ_MIN_TOKENS = triton_moe.WIDE_MIN_TOKENS = 1 << 30
+from bench.ab_modes import apply
+apply('$mode')
 from cli.main import main
 sys.exit(main(['bench', 'engine', '--model', 'synthetic:qwen3-30b-a3b-int4', '--device', 'cuda',
                '--context', '${CONTEXT:-128,2048}', '--streams', '${STREAMS:-1,64}',

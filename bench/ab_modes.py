@@ -1,0 +1,43 @@
+"""Engine variants for side-by-side device runs (bench/gpu_ab.sh): `apply(mode)` sets the knobs a
+mode string names (several may be combined, e.g. "pdl wholechunk budget8192") before the engine
+or its tests are built. Each knob is a module constant; nothing here changes the defaults."""
+
+from __future__ import annotations
+
+import re
+
+
+def apply(mode: str) -> None:
+    from kernels import q4_layout, triton_moe, triton_pdl
+
+    triton_pdl.ENABLED = 'nopdl' not in mode
+    if 'wholechunk' in mode:  # a prefill chunk's attention in one FlashAttention call, K split off
+        from kernels import prefill
+        prefill.WHOLE_CHUNK = True
+    if 'minpos512' in mode:  # prompt positions below 512 on the paged kernel (v7)
+        from kernels import prefill
+        prefill.MIN_POSITION = 512
+    if 'nomaxnreg' in mode:  # the seq expert kernels at the compiler's register count (v8)
+        triton_moe.SEQ_MAXNREG = triton_moe.DOWN_MAXNREG = None
+    if re.search(r'downnreg[0-9]+', mode):  # the down kernel's own cap (0: none)
+        triton_moe.DOWN_MAXNREG = int(re.search(r'downnreg([0-9]+)', mode).group(1)) or None
+    if re.search(r'mp[0-9]+', mode):  # q4 weights split for this many programs at M = 1
+        q4_layout.MAX_PROGRAMS = int(re.search(r'mp([0-9]+)', mode).group(1))
+    if re.search(r'attn[0-9]+_[0-9]+', mode):  # paged attention split-kernel launch: warps_stages
+        from kernels import triton_attention
+        w, st = re.search(r'attn([0-9]+)_([0-9]+)', mode).groups()
+        triton_attention.WARPS, triton_attention.STAGES = int(w), int(st)
+    if 'nodense' in mode:  # no weights dequantized once per call: the q4 tiles everywhere (v9)
+        q4_layout.DENSE_MIN_ROWS = triton_moe.DENSE_MIN_TOKENS = None
+    elif re.search(r'dense[0-9]+', mode):  # rows / tokens from which the dense path runs
+        q4_layout.DENSE_MIN_ROWS = triton_moe.DENSE_MIN_TOKENS = int(re.search(r'dense([0-9]+)', mode).group(1))
+    if re.search(r'budget[0-9]+', mode):  # a CUDA step's default token budget
+        from replica import config
+        config.CUDA_BATCH_TOKENS = int(re.search(r'budget([0-9]+)', mode).group(1))
+    if 'grouped' in mode:  # every MoE launch groups its assignments by expert first (v8)
+        triton_moe.DIRECT_MAX_TOKENS = 0
+    if 'wide32' in mode:  # the 32-row tile (parallel splits) from 32 rows
+        q4_layout.WIDE_MIN_ROWS = 32
+    if 'splitrows' in mode:  # every batch size on the decode tile with parallel K splits (v7)
+        q4_layout.SEQ_MIN_ROWS = q4_layout.WIDE_MIN_ROWS = 1 << 30
+        triton_moe.SEQ_MIN_TOKENS = triton_moe.WIDE_MIN_TOKENS = 1 << 30
