@@ -55,6 +55,7 @@ def measure(engine: Engine, reqs: list[Request]) -> dict:
     done = threading.Semaphore(0)
     tokens = [0, 0]  # all, and those after every stream had its first token
     mark = [0.0, 0]  # (time, engine steps) when the last stream got its first token
+    ends: list[float] = []  # decode: when each step's first event came (one per step)
 
     def sink(ev) -> None:  # runs on the engine's thread, between steps
         now = time.perf_counter()
@@ -65,6 +66,8 @@ def measure(engine: Engine, reqs: list[Request]) -> dict:
                 mark[0], mark[1] = now, engine.core.steps
         elif len(first) == len(reqs):
             tokens[1] += len(ev.token_ids)
+            if len(ends) < engine.core.steps - mark[1]:
+                ends.append(now)
         if ev.finished:
             done.release()
 
@@ -79,7 +82,14 @@ def measure(engine: Engine, reqs: list[Request]) -> dict:
     return {"seconds": end - t0, "steps": engine.core.steps - steps0, "tokens": tokens[0],
             "ttft": sum(ttfts) / len(ttfts), "ttft_max": max(ttfts), "prefill_s": mark[0] - t0,
             "decode_s": end - mark[0], "decode_steps": engine.core.steps - mark[1],
-            "decode_tokens": tokens[1]}
+            "decode_tokens": tokens[1], "decode_step_ms_median": _median_gap_ms([mark[0]] + ends)}
+
+
+def _median_gap_ms(times: list[float]) -> float:
+    """Median of the gaps between consecutive times, in ms (0.0 for fewer than two): the
+    typical decode step, which a one-off stall (a capture, a collection) does not move."""
+    gaps = sorted(b - a for a, b in zip(times, times[1:]))
+    return gaps[len(gaps) // 2] * 1e3 if gaps else 0.0
 
 
 def bench_fedserve(engine: Engine, streams: int, max_tokens: int) -> Row:

@@ -36,6 +36,7 @@ class ContextRow:
     ttft_max_ms: float
     decode_tok_per_s: float
     ms_per_step: float  # decode: wall per step once every stream has its first token
+    ms_per_step_median: float  # the same steps' median: a one-off stall does not move it
     gb_per_step: float
     roofline_pct: float  # of the wall step
     gpu_ms_per_step: float = 0.0  # CUDA: the decode step's graph replayed alone
@@ -78,7 +79,7 @@ def bench_context(engine: Engine, context: int, streams: int, max_tokens: int, c
     row = ContextRow(context, streams, streams * context / pre["prefill_s"], pre["ttft"] * 1e3,
                      pre["ttft_max"] * 1e3,
                      dec["decode_tokens"] / dec["decode_s"] if dec["decode_s"] else 0.0,
-                     ms, gb, 100 * gb / (ms / 1e3) / copy_gbs if ms else 0.0,
+                     ms, dec["decode_step_ms_median"], gb, 100 * gb / (ms / 1e3) / copy_gbs if ms else 0.0,
                      fits=streams * (context + max_tokens) <= engine.kv_capacity_tokens,
                      decode_steps=dec["decode_steps"])
     if graphs is not None:
@@ -128,7 +129,7 @@ def format_table(rows: list[ContextRow], engine: Engine, model: str, copy_gbs: f
              f"weights a decode step touches + KV it reads; GPU: the decode graph alone at "
              f"streams x context; * = the streams did not fit the pool at once"]
     head = (f"{'context':>7} {'streams':>7} {'prefill tok/s':>13} {'TTFT ms':>8} {'TTFT max':>8} "
-            f"{'decode tok/s':>12} {'ms/step':>8} {'GB/step':>8} {'%roofline':>9}")
+            f"{'decode tok/s':>12} {'ms/step':>8} {'median':>7} {'GB/step':>8} {'%roofline':>9}")
     gpu = any(r.gpu_ms_per_step for r in rows)
     if gpu:
         head += f" {'GPU ms/step':>11} {'GPU %roof':>9}"
@@ -136,7 +137,8 @@ def format_table(rows: list[ContextRow], engine: Engine, model: str, copy_gbs: f
     for r in rows:
         line = (f"{r.context:>7} {r.streams:>6}{'*' if not r.fits else ' '} "
                 f"{r.prefill_tok_per_s:>13.0f} {r.ttft_ms:>8.0f} {r.ttft_max_ms:>8.0f} "
-                f"{r.decode_tok_per_s:>12.1f} {r.ms_per_step:>8.2f} {r.gb_per_step:>8.3f} "
+                f"{r.decode_tok_per_s:>12.1f} {r.ms_per_step:>8.2f} {r.ms_per_step_median:>7.2f} "
+                f"{r.gb_per_step:>8.3f} "
                 f"{r.roofline_pct:>9.2f}")
         if gpu:
             line += f" {r.gpu_ms_per_step:>11.3f} {r.gpu_roofline_pct:>9.1f}"
