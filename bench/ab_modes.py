@@ -1,5 +1,5 @@
 """Engine variants for side-by-side device runs (bench/gpu_ab.sh): `apply(mode)` sets the knobs a
-mode string names (several may be combined, e.g. "pdl wholechunk budget8192") before the engine
+mode string names (several may be combined, e.g. "pdl novarlen budget8192") before the engine
 or its tests are built. Each knob is a module constant; nothing here changes the defaults."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ def apply(mode: str) -> None:
     from kernels import q4_layout, triton_moe, triton_pdl
 
     triton_pdl.ENABLED = 'nopdl' not in mode
-    if 'wholechunk' in mode:  # a prefill chunk's attention in one FlashAttention call, K split off
+    if 'novarlen' in mode:  # prefill attention: a FlashAttention call per piece per stream (v10)
         from kernels import prefill
-        prefill.WHOLE_CHUNK = True
+        prefill.VARLEN = False
     if 'minpos512' in mode:  # prompt positions below 512 on the paged kernel (v7)
         from kernels import prefill
         prefill.MIN_POSITION = 512

@@ -20,7 +20,7 @@ if [ -n "${KERNEL_TESTS-1}" ]; then
     -k "${KERNEL_K:-not engine and not stream_alone}" 2>&1 | tail -15
 fi
 
-if [ -n "${PREFILL_TESTS-}" ]; then  # tests/kernels/test_prefill.py on CUDA (also "cuda-whole")
+if [ -n "${PREFILL_TESTS-}" ]; then  # tests/kernels/test_prefill.py on CUDA
   stamp "prefill attention tests"
   timeout "${T_TESTS:-200}" python -m pytest -q -n 0 tests/kernels/test_prefill.py 2>&1 | tail -8
 fi
@@ -54,7 +54,7 @@ fi
 
 if [ -n "${ENGINE_TESTS-1}" ]; then
   stamp "engine: a stream alone vs among 1..64 others, bitwise; CUDA engine tests"
-  # ENGINE_TEST_MODE: run them with a mode's knobs set (bench/ab_modes.py), e.g. wholechunk
+  # ENGINE_TEST_MODE: run them with a mode's knobs set (bench/ab_modes.py), e.g. novarlen
   timeout "${T_ENGINE_TESTS:-300}" python -c "
 import sys, pytest
 from bench.ab_modes import apply

@@ -20,19 +20,18 @@ contexts stay on the paged kernel, whose bits decode shares (runner.py, Chunk ro
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
 PIECE = 256  # query positions per attention call (fixed: a property of the path, not the batch)
 MIN_POSITION = 256  # prompt positions below this attend through the paged kernel (GPU_NOTES v8)
-# CUDA: one FlashAttention call over the chunk's whole PIECE-aligned region with the K split off
-# (num_splits=1) instead of a call per piece, whose split-KV plan FlashAttention picks per piece
-# shape. The same invariance (a row's query block, its key blocks and their order follow from its
-# absolute position alone, the region starting on a multiple of FlashAttention's 64/128-row
-# query blocks), other bits. Off until measured on the H200 (GPU_NOTES v10, Left undone 1).
-WHOLE_CHUNK = False
+# CUDA, 16-bit pools: a step's spans go to FlashAttention's variable-length form, many streams'
+# regions packed in one call (prefill_attention_batch). Its kernel never splits K (torch 2.11 on
+# the H200, bench/prefill_modes.py), so a row's query block, its key blocks and their order
+# follow from its absolute position alone: the bits of a row are the same alone, packed with any
+# other streams in any order, and however the prompt was cut (the same invariance as the pieces,
+# other bits). False: a call per piece per stream, as before (GPU_NOTES v11).
+VARLEN = True
 
 
 def compute_dtype(cache_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -44,15 +43,17 @@ def compute_dtype(cache_dtype: torch.dtype, device: torch.device) -> torch.dtype
 
 
 def gather_context(k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, end: int,
-                   length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                   length: int, dtype: torch.dtype, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of positions [0, end) of one stream, zero-padded to `length` ≥ end:
-    [length, KVH, D] each, in `dtype`. table [≥ ceil(end / block_size)] int32 block ids."""
+    [length, KVH, D] each, in `dtype` (into `out`, two such contiguous tensors, when given).
+    table [≥ ceil(end / block_size)] int32 block ids."""
     nb, bs, kvh, d = k_cache.shape
     used = -(-end // bs)
     blocks = table[:used].to(torch.int64)
+    bufs = out or [torch.empty(length, kvh, d, dtype=dtype, device=k_cache.device) for _ in range(2)]
     out = []
-    for cache in (k_cache, v_cache):
-        buf = torch.empty(length, kvh, d, dtype=dtype, device=cache.device)
+    for cache, buf in zip((k_cache, v_cache), bufs):
         if cache.dtype == dtype and used * bs <= length:  # gathered straight into place
             torch.index_select(cache, 0, blocks, out=buf[:used * bs].view(used, bs, kvh, d))
         else:
@@ -82,18 +83,12 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         return out
     end = start + n
     dtype = compute_dtype(k_cache.dtype, q.device)
-    whole = WHOLE_CHUNK and dtype != torch.float32 and whole_chunk_supported()  # CUDA only
-    if whole:
-        piece = PIECE  # the region's alignment: a multiple of every query block size
     first, last = start // piece, (end - 1) // piece
     keys, values = gather_context(k_cache, v_cache, table, end, (last + 1) * piece, dtype)
     # queries of every piece this chunk touches, zeros where it owns no token
     qbuf = torch.zeros((last + 1 - first) * piece, h, d, dtype=dtype, device=q.device)
     off = start - first * piece
     qbuf[off: off + n] = q
-    if whole:
-        out[:] = _flash_unsplit(qbuf, keys, values, scale)[off: off + n]
-        return out
     for p in range(first, last + 1):
         lo = p * piece
         qp = qbuf[(p - first) * piece: (p - first + 1) * piece]  # [PIECE, H, D]
@@ -133,20 +128,91 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
             q, k, v, 0.0, True, False, scale=scale)[0]
 
 
-@functools.cache
-def whole_chunk_supported() -> bool:
-    """Whether this torch's FlashAttention takes num_splits (the K split can be turned off)."""
-    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
-    return op is not None and "num_splits" in str(op.default._schema)
+def varlen_applies(device: torch.device, cache_dtype: torch.dtype) -> bool:
+    """Whether prefill_attention_batch packs spans into variable-length FlashAttention calls
+    (CUDA, a 16-bit pool, VARLEN on)."""
+    return VARLEN and compute_dtype(cache_dtype, device) != torch.float32
 
 
-def _flash_unsplit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """FlashAttention-2 forward without a K split, causal aligned to the last key, grouped KV
-    heads native: q [Lq, H, D], k/v [Lk, KVH, D] 16-bit → [Lq, H, D]."""
-    lq, lk = q.shape[0], k.shape[0]
-    return torch.ops.aten._flash_attention_forward(
-        q[None], k[None], v[None], None, None, lq, lk, 0.0, True, False, scale=scale,
-        num_splits=1)[0][0]
+def prefill_attention_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            tables: torch.Tensor, spans, scale: float, out: torch.Tensor,
+                            max_keys: int, varlen: bool | None = None) -> None:
+    """prefill_attention for several streams' chunks of one step: spans are (row, n, start,
+    table_row): rows [row, row + n) of q [T, H, D] fp32 are positions start .. start+n-1 of the
+    stream whose block table is tables[table_row]; their outputs go to out[row: row + n].
+
+    varlen (default: varlen_applies): each span's PIECE-aligned region of queries, and its
+    keys [0, region end), are packed with the other spans' into one variable-length
+    FlashAttention call, as many spans a call as fit `max_keys` packed keys and T + 2 * PIECE
+    packed queries (a span always fits alone): the buffers stay within what one stream's call
+    needs. Otherwise a prefill_attention call per span."""
+    if varlen is None:
+        varlen = varlen_applies(q.device, k_cache.dtype)
+    if not varlen:
+        for row, n, start, t in spans:
+            out[row: row + n] = prefill_attention(q[row: row + n], k_cache, v_cache, tables[t],
+                                                  start, scale)
+        return
+    max_queries = q.shape[0] + 2 * PIECE
+    group: list[tuple[int, int, int, int]] = []
+    rows = keys = 0
+    for sp in spans:
+        lo, hi = _region(sp[2], sp[1])
+        if group and (rows + hi - lo > max_queries or keys + hi > max_keys):
+            _varlen_group(q, k_cache, v_cache, tables, group, scale, out)
+            group, rows, keys = [], 0, 0
+        group.append(sp)
+        rows, keys = rows + hi - lo, keys + hi
+    if group:
+        _varlen_group(q, k_cache, v_cache, tables, group, scale, out)
+
+
+def _region(start: int, n: int) -> tuple[int, int]:
+    """[lo, hi): the PIECE-aligned positions a chunk of n tokens from `start` touches."""
+    return start // PIECE * PIECE, ((start + n - 1) // PIECE + 1) * PIECE
+
+
+def _varlen_group(q, k_cache, v_cache, tables, spans, scale, out) -> None:
+    """One variable-length call for `spans` (see prefill_attention_batch)."""
+    nb, bs, kvh, d = k_cache.shape
+    dtype = compute_dtype(k_cache.dtype, q.device)
+    regions = [_region(start, n) for _, n, start, _ in spans]
+    lq = [hi - lo for lo, hi in regions]
+    lk = [hi for _, hi in regions]
+    qbuf = torch.zeros(sum(lq), q.shape[1], d, dtype=dtype, device=q.device)
+    kbuf = torch.empty(sum(lk), kvh, d, dtype=dtype, device=q.device)
+    vbuf = torch.empty_like(kbuf)
+    qo = ko = 0
+    for (row, n, start, t), (lo, hi) in zip(spans, regions):
+        qbuf[qo + start - lo: qo + start - lo + n] = q[row: row + n]
+        gather_context(k_cache, v_cache, tables[t], start + n, hi, dtype,
+                       out=(kbuf[ko: ko + hi], vbuf[ko: ko + hi]))
+        qo, ko = qo + hi - lo, ko + hi
+    o = _attend_varlen(qbuf, kbuf, vbuf, lq, lk, scale)
+    qo = 0
+    for (row, n, start, _), (lo, hi) in zip(spans, regions):
+        out[row: row + n] = o[qo + start - lo: qo + start - lo + n]
+        qo += hi - lo
+
+
+def _attend_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lq: list[int],
+                   lk: list[int], scale: float) -> torch.Tensor:
+    """Packed sequences: q [sum lq, H, D], k/v [sum lk, KVH, D]; sequence i's queries attend
+    causally aligned to its last key → [sum lq, H, D]. CUDA 16-bit: FlashAttention's
+    variable-length kernel (grouped KV heads native); elsewhere (tests of the packing) each
+    sequence's PIECE-query pieces in turn, prefill_attention's own calls (the same bits)."""
+    if q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16):
+        cq = torch.tensor([0] + lq, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(q.device)
+        ck = torch.tensor([0] + lk, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(q.device)
+        return torch.ops.aten._flash_attention_forward(
+            q, k, v, cq, ck, max(lq), max(lk), 0.0, True, False, scale=scale)[0]
+    outs, qo, ko = [], 0, 0
+    for a, b in zip(lq, lk):  # queries at key positions b - a .. b - 1, a multiple of PIECE
+        for p in range(0, a, PIECE):
+            end = ko + b - a + p + PIECE
+            outs.append(attend(q[qo + p: qo + p + PIECE], k[ko: end], v[ko: end], scale))
+        qo, ko = qo + a, ko + b
+    return torch.cat(outs)
 
 
 # ---- float64 reference (tests) -----------------------------------------------------------------

@@ -164,10 +164,11 @@ class Transformer:
             rows = b.paged_rows
             attn[rows] = ops.paged_attention(q[rows].contiguous(), kc, vc, tables, b.paged_tok_row,
                                              b.paged_ctx_lens, self.scale)
-        for sp in b.prefill:  # one stream at a time: nothing is packed across streams
-            attn[sp.row: sp.row + sp.n] = prefill.prefill_attention(
-                q[sp.row: sp.row + sp.n], kv.k[i], kv.v[i], b.block_tables[sp.table], sp.start,
-                self.scale)
+        # packed across streams only where a row's bits do not depend on its company
+        # (kernels/prefill.py: prefill_attention_batch)
+        prefill.prefill_attention_batch(
+            q, kv.k[i], kv.v[i], b.block_tables, [(sp.row, sp.n, sp.start, sp.table) for sp in b.prefill],
+            self.scale, attn, max_keys=self.cfg.max_position + prefill.PIECE)
         return attn
 
     def _moe(self, layer: _Layer, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
