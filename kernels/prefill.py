@@ -11,8 +11,14 @@ The rows of a piece that this chunk does not own (earlier positions, or later on
 known) are zero queries whose outputs are dropped; keys past the chunk's last token are zeros,
 and every row masks them anyway. So each SDPA call has a shape set by the piece index alone —
 one kernel, one split plan — and a row's result depends only on its own query and its own
-stream's keys: never on the other streams of the step (each stream is its own call, nothing
-is packed) nor on where the scheduler cut the prompt into chunks.
+stream's keys: never on the other streams of the step (each stream is its own call) nor on
+where the scheduler cut the prompt into chunks.
+
+On CUDA (VARLEN) a step's chunks go together instead: each chunk's PIECE-aligned region of
+queries and its keys, packed with the other streams' into variable-length FlashAttention calls
+(prefill_attention_batch). That kernel has no K split, and each sequence's query blocks start
+at its region's start, a multiple of PIECE: a row's query block, key blocks and their order
+are again functions of its absolute position alone, whatever else the call holds.
 
 The engine sends a prompt token here only when its position is at least MIN_POSITION: shorter
 contexts stay on the paged kernel, whose bits decode shares (runner.py, Chunk rows).

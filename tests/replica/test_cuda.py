@@ -99,12 +99,12 @@ def test_cuda_tiled_prefill_of_long_prompts_follows_cpu_up_to_near_ties():
     g = torch.Generator().manual_seed(5)
     prompts = [tuple(torch.randint(0, 256, (700 + 50 * i,), generator=g).tolist()) for i in range(4)]
     calls = []
-    attend = prefill.prefill_attention
-    prefill.prefill_attention = lambda *a, **k: calls.append(1) or attend(*a, **k)
+    attend = prefill.prefill_attention_batch
+    prefill.prefill_attention_batch = lambda *a, **k: calls.append(1) or attend(*a, **k)
     try:
         cuda = greedy("tiny-qwen3-moe", "cuda", prompts, 24, num_kv_blocks=512)
     finally:
-        prefill.prefill_attention = attend
+        prefill.prefill_attention_batch = attend
     assert calls, "the long prompts should have used the tiled prefill"
     cpu = greedy("tiny-qwen3-moe", "cpu", prompts, 24, kv_dtype="bfloat16")
     assert_parts_only_at_near_ties(loaded("tiny-qwen3-moe"), prompts, cpu, cuda, min_agree=0.5,
@@ -135,8 +135,8 @@ def test_cuda_stream_alone_vs_among_1_to_64_others_bitwise(preset, context):
     g = torch.Generator().manual_seed(context)
     spec = StreamSpec(tuple(torch.randint(0, 256, (context,), generator=g).tolist()), 10)
     calls = []
-    attend = prefill.prefill_attention
-    prefill.prefill_attention = lambda *a, **k: calls.append(1) or attend(*a, **k)
+    attend = prefill.prefill_attention_batch
+    prefill.prefill_attention_batch = lambda *a, **k: calls.append(1) or attend(*a, **k)
     core = small_core(model, **kw)
     try:
         solo_tokens, solo_logits = run_solo(core, spec)
@@ -151,7 +151,7 @@ def test_cuda_stream_alone_vs_among_1_to_64_others_bitwise(preset, context):
             assert core.pool.num_free == core.pool.num_blocks
         assert core.runner.graphs.captured, "decode steps should have used CUDA graphs"
     finally:
-        prefill.prefill_attention = attend
+        prefill.prefill_attention_batch = attend
         del core
         release()
     assert bool(calls) == (context > prefill.MIN_POSITION)
