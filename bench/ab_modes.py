@@ -36,6 +36,8 @@ def apply(mode: str) -> None:
         config.CUDA_BATCH_TOKENS = int(re.search(r'budget([0-9]+)', mode).group(1))
     if 'grouped' in mode:  # every MoE launch groups its assignments by expert first (v8)
         triton_moe.DIRECT_MAX_TOKENS = 0
+    if re.search(r'widesplit[0-9]+', mode):  # the wide tile from N rows (weights of >= 1,024 outputs)
+        q4_layout.WIDE_SPLIT_MIN_ROWS = int(re.search(r'widesplit([0-9]+)', mode).group(1))
     if 'wide32' in mode:  # the 32-row tile (parallel splits) from 32 rows
         q4_layout.WIDE_MIN_ROWS = 32
     if 'splitrows' in mode:  # every batch size on the decode tile with parallel K splits (v7)

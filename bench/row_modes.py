@@ -25,7 +25,7 @@ from kernels.moe_layout import StackedExperts
 from kernels.q4_layout import Q4Tile
 
 DEV = "cuda"
-SHAPES = {"qkv": (5120, 2048), "o": (2048, 4096), "router": (128, 2048)}
+SHAPES = {"qkv": (5120, 2048), "o": (2048, 4096), "router": (128, 2048), "lm_head": (151936, 2048)}
 
 
 def _row(kernel, shape, m, mode, ms, nbytes, flops, copy_gbs, same) -> dict:
@@ -38,10 +38,12 @@ def _row(kernel, shape, m, mode, ms, nbytes, flops, copy_gbs, same) -> dict:
     return r
 
 
-def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles) -> list[dict]:
+def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles, weights=("qkv", "o", "router")) -> list[dict]:
     g = torch.Generator(DEV).manual_seed(0)
     rows = []
     for name, (n, k) in SHAPES.items():
+        if name not in weights:
+            continue
         lin = q4_layout.repack(rand_q4(n, k, g))
         nbytes = lin.qs.nbytes + lin.sm.nbytes
         ms = timed(lambda: triton_f16.dequantize(lin.qs, lin.sm), "dequantize")
@@ -145,13 +147,15 @@ def main() -> None:
                     help="many-warp fp16 tiles on the weights dequantized once (dense)")
     ap.add_argument("--kernels", action="store_true",
                     help="each dense expert mode's kernels, µs per call (torch.profiler)")
+    ap.add_argument("--weights", default="qkv,o,router", help=f"linear weights, of {','.join(SHAPES)}")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     copy_gbs = copy_bandwidth()
     print(f"device copy: {copy_gbs:.0f} GB/s (read + write)", flush=True)
     tiles = [Q4Tile.parse(t) for t in args.tiles.split(",") if t]
     dense = [Q4Tile.parse(t) for t in args.dense_tiles.split(",") if t]
-    rows = linear_modes(copy_gbs, [int(v) for v in args.ms.split(",") if v], tiles, dense)
+    rows = linear_modes(copy_gbs, [int(v) for v in args.ms.split(",") if v], tiles, dense,
+                        args.weights.split(","))
     rows += moe_modes(copy_gbs, [int(v) for v in args.ts.split(",") if v], tiles,
                       [int(v) or None for v in args.maxnreg.split(",")], dense, args.kernels)
     if args.json:
