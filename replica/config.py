@@ -39,6 +39,8 @@ class EngineConfig:
     retain_sessions: bool = True  # keep a session's KV after its turn for the next one
     threads: int | None = None  # CPU threads for kernels (None: torch's setting)
     poison_freed_kv: bool = False  # debug/tests: NaN-fill blocks as they are freed
+    overlap_events: bool | None = None  # detokenize and deliver a step's token events while the
+    # next step runs on the device (EngineCore.step); None: on CUDA only
 
     def __post_init__(self) -> None:
         checks = {
@@ -86,6 +88,10 @@ class EngineConfig:
     @property
     def use_fast_prefill(self) -> bool:
         return self.cuda if self.fast_prefill is None else self.fast_prefill
+
+    @property
+    def use_overlap_events(self) -> bool:
+        return self.cuda if self.overlap_events is None else self.overlap_events
 
     @property
     def serialized(self) -> bool:

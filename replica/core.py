@@ -67,6 +67,11 @@ class EngineCore:
         self._live: dict[str, _Live] = {}
         self._pieces: dict[int, str] = {}  # token id → its text alone, for every Detokenizer
         self._eos = frozenset(cfg.eos_token_ids)  # for the per-token finish check
+        # events of the last step's tokens not yet delivered (overlap_events): the streams that
+        # did not finish on a token id or a count; their text (and any stop string in it) is
+        # worked out while the next step runs on the device
+        self._overlap = config.use_overlap_events
+        self._pending: list[_Live] = []
         self.steps = 0
         self.tokens_computed = 0  # prompt/recompute tokens fed through the model (for tests/stats)
 
@@ -143,6 +148,7 @@ class EngineCore:
     def abort(self, request_id: str) -> None:
         live = self._live.get(request_id)
         if live is not None:
+            self._flush_events()  # its tokens so far, before its final event
             self._finish(live, "cancelled")
 
     @property
@@ -153,16 +159,27 @@ class EngineCore:
     def step(self) -> int:
         """Run one step; returns the number of tokens fed through the model."""
         record = self.scheduler.schedule()
+        if record.exhausted or not record.chunks:
+            self._flush_events()
         for s in record.exhausted:
             self._finish(self._live[s.request_id], "length")
         if not record.chunks:
             return 0
-        out = self.runner.execute(record)
+        # the last step's events go out while this one runs on the device (runner.while_running
+        # is called between its launch and the host's wait on it), else right after it
+        self.runner.while_running = self._flush_events if self._pending else None
+        try:
+            out = self.runner.execute(record)
+        finally:
+            self.runner.while_running = None
+        self._flush_events()
         self.steps += 1
         self.tokens_computed += record.num_tokens
         greedy, lives = out.greedy, self._live
         for r, chunk in enumerate(record.chunks):
             s = chunk.stream
+            if s.finished:  # a stop string ended it while this step ran: the row is dropped
+                continue
             s.num_computed = chunk.end
             live = lives[s.request_id]
             if s.embed:
@@ -173,7 +190,7 @@ class EngineCore:
                 if tok is None:
                     tok = sample(out.logits[r], s.params, position=s.num_tokens)
                 s.output_ids.append(tok)
-                self._emit(live)
+                self._emit(live, defer=self._overlap)
         return record.num_tokens
 
     def _pool_hidden(self, live: _Live, hidden: torch.Tensor) -> None:
@@ -200,9 +217,25 @@ class EngineCore:
             return "length"
         return None
 
-    def _emit(self, live: _Live) -> None:
+    def _emit(self, live: _Live, defer: bool = False) -> None:
+        """The stream's new token: its event now, or (defer, and the token ends nothing by its
+        id or count) at the next _flush_events."""
+        reason = self._finish_reason(live.stream)
+        if defer and reason is None:
+            self._pending.append(live)
+            return
+        self._emit_text(live, reason)
+
+    def _flush_events(self) -> None:
+        """Deliver the deferred events, in the order their tokens came (a stream that a stop
+        string ends here finishes now; one that ended since has nothing left to say)."""
+        pending, self._pending = self._pending, []
+        for live in pending:
+            if not live.stream.finished:
+                self._emit_text(live, None)
+
+    def _emit_text(self, live: _Live, reason: str | None) -> None:
         s = live.stream
-        reason = self._finish_reason(s)
         text = live.detok.delta(s.output_ids, final=reason is not None)
         if live.detok.stopped:
             reason = "stop"
@@ -246,6 +279,7 @@ class EngineCore:
 
     def fail_all(self, error: Exception) -> None:
         """The loop is dying: every live request gets a final error event."""
+        self._pending.clear()
         for live in list(self._live.values()):
             live.stream.finish_reason = "error"
             try:

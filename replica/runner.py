@@ -6,7 +6,7 @@ run eagerly, with the same bits.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -72,6 +72,10 @@ class ModelRunner:
         self.graphs = DecodeGraphs(model, kv, fast_prefill, self.tables) if cuda else None
         self._host: torch.Tensor | None = None  # pinned staging for logits rows (CUDA)
         self._host_ids: torch.Tensor | None = None  # pinned staging for argmax ids (CUDA)
+        # host work to run while a step's device work is in flight: called once per execute,
+        # after the step is launched and before the host waits on it (or after the forward,
+        # where nothing runs asynchronously); the caller sets and clears it
+        self.while_running: Callable[[], None] | None = None
 
     def prefill_range(self, c: Chunk) -> tuple[int, int] | None:
         return prefill_range(c, self.fast_prefill)
@@ -201,5 +205,12 @@ class ModelRunner:
             out = self._host[:n]
             index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
             out.copy_(logits.index_select(0, index), non_blocking=True)
+        self._overlap()
         torch.cuda.current_stream(logits.device).synchronize()
         return host_ids, out
+
+    def _overlap(self) -> None:
+        """Run while_running once (it is cleared first: a step runs it at most once)."""
+        fn, self.while_running = self.while_running, None
+        if fn is not None:
+            fn()
