@@ -31,6 +31,17 @@ def apply(mode: str) -> None:
         q4_layout.DENSE_MIN_ROWS = triton_moe.DENSE_MIN_TOKENS = None
     elif re.search(r'dense[0-9]+', mode):  # rows / tokens from which the dense path runs
         q4_layout.DENSE_MIN_ROWS = triton_moe.DENSE_MIN_TOKENS = int(re.search(r'dense([0-9]+)', mode).group(1))
+    if 'gcfreeze' in mode:  # everything alive once the engine is built leaves the collector's view
+        import gc
+
+        from replica import engine as engine_module
+        init = engine_module.Engine.__init__
+
+        def frozen(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            gc.collect()
+            gc.freeze()
+        engine_module.Engine.__init__ = frozen
     if 'nooverlap' in mode:  # a step's events delivered after it, not while the next one runs
         from replica.config import EngineConfig
         EngineConfig.use_overlap_events = property(lambda self: False)

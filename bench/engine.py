@@ -7,6 +7,7 @@ reads) and that as a % of the roofline given by a device copy measured in the sa
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 import time
@@ -71,18 +72,33 @@ def measure(engine: Engine, reqs: list[Request]) -> dict:
         if ev.finished:
             done.release()
 
+    pauses: list[tuple[float, float]] = []  # (start, seconds) of each garbage collection
+    started = [0.0]
+
+    def on_gc(phase, info) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pauses.append((started[0], time.perf_counter() - started[0]))
+
     steps0 = engine.core.steps
+    gc.callbacks.append(on_gc)
     t0 = time.perf_counter()
-    for r in reqs:
-        engine.submit(r, sink)
-    for _ in reqs:
-        done.acquire()
-    end = time.perf_counter()
+    try:
+        for r in reqs:
+            engine.submit(r, sink)
+        for _ in reqs:
+            done.acquire()
+        end = time.perf_counter()
+    finally:
+        gc.callbacks.remove(on_gc)
+    decode_gc = [d for t, d in pauses if t >= mark[0]]
     ttfts = [t - t0 for t in first.values()]
     return {"seconds": end - t0, "steps": engine.core.steps - steps0, "tokens": tokens[0],
             "ttft": sum(ttfts) / len(ttfts), "ttft_max": max(ttfts), "prefill_s": mark[0] - t0,
             "decode_s": end - mark[0], "decode_steps": engine.core.steps - mark[1],
-            "decode_tokens": tokens[1], "decode_step_ms_median": _median_gap_ms([mark[0]] + ends)}
+            "decode_tokens": tokens[1], "decode_step_ms_median": _median_gap_ms([mark[0]] + ends),
+            "decode_gc_ms": 1e3 * sum(decode_gc), "decode_gc_max_ms": 1e3 * max(decode_gc, default=0.0)}
 
 
 def _median_gap_ms(times: list[float]) -> float:

@@ -43,6 +43,8 @@ class ContextRow:
     gpu_roofline_pct: float = 0.0
     fits: bool = True  # all streams' KV fit the pool at once (else they queue or preempt)
     decode_steps: int = 0
+    decode_gc_ms: float = 0.0  # Python's garbage collections during the decode phase, all
+    decode_gc_max_ms: float = 0.0  # and the longest
 
 
 def prompts_of(context: int, streams: int, vocab: int, seed: int = 0) -> list[tuple[int, ...]]:
@@ -81,7 +83,8 @@ def bench_context(engine: Engine, context: int, streams: int, max_tokens: int, c
                      dec["decode_tokens"] / dec["decode_s"] if dec["decode_s"] else 0.0,
                      ms, dec["decode_step_ms_median"], gb, 100 * gb / (ms / 1e3) / copy_gbs if ms else 0.0,
                      fits=streams * (context + max_tokens) <= engine.kv_capacity_tokens,
-                     decode_steps=dec["decode_steps"])
+                     decode_steps=dec["decode_steps"], decode_gc_ms=dec["decode_gc_ms"],
+                     decode_gc_max_ms=dec["decode_gc_max_ms"])
     if graphs is not None:
         row.gpu_ms_per_step = graphs.time_decode(streams, context + max_tokens // 2)
         row.gpu_roofline_pct = 100 * gb / (row.gpu_ms_per_step / 1e3) / copy_gbs
@@ -129,7 +132,8 @@ def format_table(rows: list[ContextRow], engine: Engine, model: str, copy_gbs: f
              f"weights a decode step touches + KV it reads; GPU: the decode graph alone at "
              f"streams x context; * = the streams did not fit the pool at once"]
     head = (f"{'context':>7} {'streams':>7} {'prefill tok/s':>13} {'TTFT ms':>8} {'TTFT max':>8} "
-            f"{'decode tok/s':>12} {'ms/step':>8} {'median':>7} {'GB/step':>8} {'%roofline':>9}")
+            f"{'decode tok/s':>12} {'ms/step':>8} {'median':>7} {'GC ms':>6} {'GB/step':>8} "
+            f"{'%roofline':>9}")
     gpu = any(r.gpu_ms_per_step for r in rows)
     if gpu:
         head += f" {'GPU ms/step':>11} {'GPU %roof':>9}"
@@ -138,7 +142,7 @@ def format_table(rows: list[ContextRow], engine: Engine, model: str, copy_gbs: f
         line = (f"{r.context:>7} {r.streams:>6}{'*' if not r.fits else ' '} "
                 f"{r.prefill_tok_per_s:>13.0f} {r.ttft_ms:>8.0f} {r.ttft_max_ms:>8.0f} "
                 f"{r.decode_tok_per_s:>12.1f} {r.ms_per_step:>8.2f} {r.ms_per_step_median:>7.2f} "
-                f"{r.gb_per_step:>8.3f} "
+                f"{r.decode_gc_ms:>6.1f} {r.gb_per_step:>8.3f} "
                 f"{r.roofline_pct:>9.2f}")
         if gpu:
             line += f" {r.gpu_ms_per_step:>11.3f} {r.gpu_roofline_pct:>9.1f}"
