@@ -14,9 +14,9 @@ def apply(mode: str) -> None:
     if 'novarlen' in mode:  # prefill attention: a FlashAttention call per piece per stream (v10)
         from kernels import prefill
         prefill.VARLEN = False
-    if 'minpos512' in mode:  # prompt positions below 512 on the paged kernel (v7)
+    if re.search(r'minpos[0-9]+', mode):  # prompt positions below N on the paged kernel (256)
         from kernels import prefill
-        prefill.MIN_POSITION = 512
+        prefill.MIN_POSITION = int(re.search(r'minpos([0-9]+)', mode).group(1))
     if 'nomaxnreg' in mode:  # the seq expert kernels at the compiler's register count (v8)
         triton_moe.SEQ_MAXNREG = triton_moe.DOWN_MAXNREG = None
     if re.search(r'downnreg[0-9]+', mode):  # the down kernel's own cap (0: none)
