@@ -88,8 +88,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if n == 0:
         return out
     end = start + n
-    dtype = compute_dtype(k_cache.dtype, q.device)
     first, last = start // piece, (end - 1) // piece
+    dtype = compute_dtype(k_cache.dtype, q.device)
     keys, values = gather_context(k_cache, v_cache, table, end, (last + 1) * piece, dtype)
     # queries of every piece this chunk touches, zeros where it owns no token
     qbuf = torch.zeros((last + 1 - first) * piece, h, d, dtype=dtype, device=q.device)
@@ -180,7 +180,7 @@ def _region(start: int, n: int) -> tuple[int, int]:
 
 def _varlen_group(q, k_cache, v_cache, tables, spans, scale, out) -> None:
     """One variable-length call for `spans` (see prefill_attention_batch)."""
-    nb, bs, kvh, d = k_cache.shape
+    kvh, d = k_cache.shape[2:]
     dtype = compute_dtype(k_cache.dtype, q.device)
     regions = [_region(start, n) for _, n, start, _ in spans]
     lq = [hi - lo for lo, hi in regions]

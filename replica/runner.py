@@ -72,9 +72,9 @@ class ModelRunner:
         self.graphs = DecodeGraphs(model, kv, fast_prefill, self.tables) if cuda else None
         self._host: torch.Tensor | None = None  # pinned staging for logits rows (CUDA)
         self._host_ids: torch.Tensor | None = None  # pinned staging for argmax ids (CUDA)
-        # host work to run while a step's device work is in flight: called once per execute,
-        # after the step is launched and before the host waits on it (or after the forward,
-        # where nothing runs asynchronously); the caller sets and clears it
+        # host work to run while a step's device work is in flight (CUDA): called at most once
+        # per execute, after the step is launched and before the host waits on it; the caller
+        # sets and clears it, and runs it itself where execute did not (CPU)
         self.while_running: Callable[[], None] | None = None
 
     def prefill_range(self, c: Chunk) -> tuple[int, int] | None:
