@@ -52,6 +52,11 @@ if [ -n "${TIMELINE-}" ]; then  # bench/gpu_timeline.py: per-program phase times
   fi
 fi
 
+if [ -n "${STEP_GAPS-}" ]; then  # bench/step_gaps.py: host time between decode steps, by phase
+  stamp "host time between decode steps"
+  timeout "${T_GAPS:-150}" python -m bench.step_gaps ${GAPS_ARGS-} --json "$OUT/step_gaps.json" 2>&1 | grep -v Warning
+fi
+
 if [ -n "${ENGINE_TESTS-1}" ]; then
   stamp "engine: a stream alone vs among 1..64 others, bitwise; CUDA engine tests"
   # ENGINE_TEST_MODE: run them with a mode's knobs set (bench/ab_modes.py), e.g. novarlen

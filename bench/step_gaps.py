@@ -1,0 +1,159 @@
+"""Where the host time between two decode steps goes, on the GPU (the wall of a decode step is
+its CUDA graph plus ~0.3 ms at 1 stream and ~1.0 ms at 64: GPU_NOTES v11).
+
+For each concurrency, S streams of 128-token prompts on synthetic:qwen3-30b-a3b-int4 (default
+EngineConfig: graphs, overlapped events) decode; over the timed steps each step is cut by host
+time stamps into
+  schedule   Scheduler.schedule
+  stage      the graph's inputs staged and copied (DecodeGraphs.run up to the replay)
+  launch     CUDAGraph.replay (the call: the host's cost of launching it)
+  overlap    what runs while the graph does (runner.while_running: the last step's events)
+  wait       the host blocked until the step's ids are back
+  after      the rest of the step (ids to tokens, finish checks, deferring events)
+and, from CUDA events around the replay, the GPU's busy time and the GPU's idle time between
+the end of one step's graph and the start of the next (what the host costs the GPU). Medians,
+ms. Not a test.
+
+    python -m bench.step_gaps [--streams 1,8,64] [--steps 40] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from replica import graphs as graphs_module
+from replica.config import EngineConfig
+from replica.core import EngineCore
+from replica.request import Request
+from replica.sampling import SamplingParams
+
+PHASES = ("schedule", "stage", "launch", "overlap", "wait", "after")
+
+
+class Stamps:
+    """Host time stamps and CUDA events of the steps run while installed."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core, self.t, self.events = core, {}, []
+        self.steps: list[dict[str, float]] = []
+        runner, sched = core.runner, core.scheduler
+        schedule, to_host, overlap = sched.schedule, runner._to_host, runner._overlap
+        stamps = self
+
+        def timed_schedule():
+            stamps.t = {"start": time.perf_counter()}
+            out = schedule()
+            stamps.t["schedule"] = time.perf_counter()
+            return out
+
+        def run(self_graphs, record):  # DecodeGraphs.run, stamped
+            key = self_graphs.key(record)
+            g = self_graphs._graphs.get(key)
+            if g is None:
+                g = self_graphs._graphs[key] = graphs_module._Graph(
+                    self_graphs.model, self_graphs.kv, *key, self_graphs.device)
+            g.load(record, self_graphs.block_size, self_graphs.tables)
+            stamps.t["stage"] = time.perf_counter()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.graph.replay()
+            b.record()
+            stamps.t["launch"] = time.perf_counter()
+            stamps.events.append((a, b))
+            return g.logits, g.argmax
+
+        def timed_overlap():
+            overlap()
+            stamps.t["overlap"] = time.perf_counter()
+
+        def timed_to_host(*args):
+            out = to_host(*args)
+            stamps.t["wait"] = time.perf_counter()
+            return out
+
+        sched.schedule = timed_schedule
+        runner._overlap, runner._to_host = timed_overlap, timed_to_host
+        self._undo = lambda: (delattr(sched, "schedule"), delattr(runner, "_overlap"),
+                              delattr(runner, "_to_host"))
+        self._run = graphs_module.DecodeGraphs.run
+        graphs_module.DecodeGraphs.run = run
+
+    def step(self) -> None:
+        self.core.step()
+        t = self.t
+        t["after"] = time.perf_counter()
+        t.setdefault("overlap", t.get("launch", t["schedule"]))
+        if "launch" in t:  # a graph step
+            last = t["start"]
+            row = {}
+            for p in PHASES:
+                row[p] = 1e3 * (t[p] - last)
+                last = t[p]
+            self.steps.append(row)
+        else:
+            self.events.append(None)
+
+    def close(self) -> list[tuple[float, float]]:
+        """→ (GPU busy ms, GPU idle ms before it) of each graph step after the first."""
+        graphs_module.DecodeGraphs.run = self._run
+        self._undo()
+        torch.cuda.synchronize()
+        out = []
+        for prev, cur in zip(self.events, self.events[1:]):
+            if prev is None or cur is None:
+                continue
+            out.append((cur[0].elapsed_time(cur[1]), prev[1].elapsed_time(cur[0])))
+        return out
+
+
+def run_streams(core: EngineCore, streams: int, steps: int) -> dict:
+    vocab = core.model_config.vocab_size
+    g = torch.Generator().manual_seed(streams)
+    params = SamplingParams(max_tokens=steps + 40, temperature=0.0, ignore_eos=True)
+    for i in range(streams):
+        ids = torch.randint(0, vocab - 512, (128,), generator=g).tolist()
+        core.add(core.prepare(Request(prompt_token_ids=ids, params=params, request_id=f"s{streams}-{i}")),
+                 lambda ev: None)
+    for _ in range(8):  # prefill, then a few decode steps (graph capture on first use)
+        core.step()
+    stamps = Stamps(core)
+    try:
+        for _ in range(steps):
+            stamps.step()
+    finally:
+        gpu = stamps.close()
+    for i in range(streams):
+        core.abort(f"s{streams}-{i}")
+    med = {p: statistics.median(r[p] for r in stamps.steps) for p in PHASES}
+    busy = statistics.median(b for b, _ in gpu)
+    idle = statistics.median(i for _, i in gpu)
+    return {"streams": streams, "host_ms": med, "host_total_ms": sum(med.values()),
+            "gpu_busy_ms": busy, "gpu_idle_ms": idle, "steps": len(stamps.steps)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="synthetic:qwen3-30b-a3b-int4")
+    ap.add_argument("--streams", default="1,8,64")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    core = EngineCore(EngineConfig(model=args.model, device="cuda", max_running_streams=128))
+    rows = [run_streams(core, int(s), args.steps) for s in args.streams.split(",")]
+    print(f"host ms per decode step by phase (medians over {args.steps} steps), GPU busy / idle")
+    print(f"{'streams':>7} " + " ".join(f"{p:>8}" for p in PHASES) + f" {'host':>7} {'GPU busy':>8} {'GPU idle':>8}")
+    for r in rows:
+        print(f"{r['streams']:>7} " + " ".join(f"{r['host_ms'][p]:>8.3f}" for p in PHASES)
+              + f" {r['host_total_ms']:>7.3f} {r['gpu_busy_ms']:>8.3f} {r['gpu_idle_ms']:>8.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
