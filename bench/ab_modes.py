@@ -31,17 +31,6 @@ def apply(mode: str) -> None:
         q4_layout.DENSE_MIN_ROWS = triton_moe.DENSE_MIN_TOKENS = None
     elif re.search(r'dense[0-9]+', mode):  # rows / tokens from which the dense path runs
         q4_layout.DENSE_MIN_ROWS = triton_moe.DENSE_MIN_TOKENS = int(re.search(r'dense([0-9]+)', mode).group(1))
-    if 'gcfreeze' in mode:  # everything alive once the engine is built leaves the collector's view
-        import gc
-
-        from replica import engine as engine_module
-        init = engine_module.Engine.__init__
-
-        def frozen(self, *args, **kwargs):
-            init(self, *args, **kwargs)
-            gc.collect()
-            gc.freeze()
-        engine_module.Engine.__init__ = frozen
     if 'nooverlap' in mode:  # a step's events delivered after it, not while the next one runs
         from replica.config import EngineConfig
         EngineConfig.use_overlap_events = property(lambda self: False)
@@ -50,8 +39,6 @@ def apply(mode: str) -> None:
         config.CUDA_BATCH_TOKENS = int(re.search(r'budget([0-9]+)', mode).group(1))
     if 'grouped' in mode:  # every MoE launch groups its assignments by expert first (v8)
         triton_moe.DIRECT_MAX_TOKENS = 0
-    if re.search(r'widesplit[0-9]+', mode):  # the wide tile from N rows (weights of >= 1,024 outputs)
-        q4_layout.WIDE_SPLIT_MIN_ROWS = int(re.search(r'widesplit([0-9]+)', mode).group(1))
     if 'wide32' in mode:  # the 32-row tile (parallel splits) from 32 rows
         q4_layout.WIDE_MIN_ROWS = 32
     if 'splitrows' in mode:  # every batch size on the decode tile with parallel K splits (v7)

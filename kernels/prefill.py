@@ -88,16 +88,14 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if n == 0:
         return out
     end = start + n
-    first, last = start // piece, (end - 1) // piece
+    first, last = _region(start, n, piece)
     dtype = compute_dtype(k_cache.dtype, q.device)
-    keys, values = gather_context(k_cache, v_cache, table, end, (last + 1) * piece, dtype)
+    keys, values = gather_context(k_cache, v_cache, table, end, last, dtype)
     # queries of every piece this chunk touches, zeros where it owns no token
-    qbuf = torch.zeros((last + 1 - first) * piece, h, d, dtype=dtype, device=q.device)
-    off = start - first * piece
-    qbuf[off: off + n] = q
-    for p in range(first, last + 1):
-        lo = p * piece
-        qp = qbuf[(p - first) * piece: (p - first + 1) * piece]  # [PIECE, H, D]
+    qbuf = torch.zeros(last - first, h, d, dtype=dtype, device=q.device)
+    qbuf[start - first: end - first] = q
+    for lo in range(first, last, piece):
+        qp = qbuf[lo - first: lo - first + piece]  # [PIECE, H, D]
         o = attend(qp, keys[: lo + piece], values[: lo + piece], scale)  # [PIECE, H, D]
         a, b = max(start, lo), min(end, lo + piece)
         out[a - start: b - start] = o[a - lo: b - lo]
@@ -134,12 +132,6 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
             q, k, v, 0.0, True, False, scale=scale)[0]
 
 
-def varlen_applies(device: torch.device, cache_dtype: torch.dtype) -> bool:
-    """Whether prefill_attention_batch packs spans into variable-length FlashAttention calls
-    (CUDA, a 16-bit pool, VARLEN on)."""
-    return VARLEN and compute_dtype(cache_dtype, device) != torch.float32
-
-
 def prefill_attention_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             tables: torch.Tensor, spans, scale: float, out: torch.Tensor,
                             max_keys: int, varlen: bool | None = None) -> None:
@@ -147,13 +139,13 @@ def prefill_attention_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     table_row): rows [row, row + n) of q [T, H, D] fp32 are positions start .. start+n-1 of the
     stream whose block table is tables[table_row]; their outputs go to out[row: row + n].
 
-    varlen (default: varlen_applies): each span's PIECE-aligned region of queries, and its
+    varlen (default: VARLEN, on CUDA with a 16-bit pool): each span's PIECE-aligned region of queries, and its
     keys [0, region end), are packed with the other spans' into one variable-length
     FlashAttention call, as many spans a call as fit `max_keys` packed keys and T + 2 * PIECE
     packed queries (a span always fits alone): the buffers stay within what one stream's call
     needs. Otherwise a prefill_attention call per span."""
     if varlen is None:
-        varlen = varlen_applies(q.device, k_cache.dtype)
+        varlen = VARLEN and compute_dtype(k_cache.dtype, q.device) != torch.float32
     if not varlen:
         for row, n, start, t in spans:
             out[row: row + n] = prefill_attention(q[row: row + n], k_cache, v_cache, tables[t],
@@ -173,9 +165,9 @@ def prefill_attention_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         _varlen_group(q, k_cache, v_cache, tables, group, scale, out)
 
 
-def _region(start: int, n: int) -> tuple[int, int]:
-    """[lo, hi): the PIECE-aligned positions a chunk of n tokens from `start` touches."""
-    return start // PIECE * PIECE, ((start + n - 1) // PIECE + 1) * PIECE
+def _region(start: int, n: int, piece: int = PIECE) -> tuple[int, int]:
+    """[lo, hi): the piece-aligned positions a chunk of n tokens from `start` touches."""
+    return start // piece * piece, ((start + n - 1) // piece + 1) * piece
 
 
 def _varlen_group(q, k_cache, v_cache, tables, spans, scale, out) -> None:

@@ -72,10 +72,6 @@ LINEAR_TILE = Q4Tile()
 WIDE_TILE = Q4Tile(bm=32)
 SEQ_MIN_ROWS = 256
 WIDE_MIN_ROWS = 512
-# Below SEQ_MIN_ROWS (parallel splits, or an unsplit weight): the wide tile from this many rows
-# for weights of at least DENSE_MIN_N outputs (qkv, o, lm_head; the router's 2 column tiles
-# want the programs). Same bits (the same tile family as above). None: off
-WIDE_SPLIT_MIN_ROWS: int | None = None
 # From DENSE_MIN_ROWS rows on CUDA the weight is dequantized once per call into fp16 W.T and a
 # many-warp tile runs fp16 MMAs on it (kernels/triton_f16.py): the same fp16 weights, k steps,
 # split ranges and merge order, so the same bits per row, and the tensor cores no longer wait

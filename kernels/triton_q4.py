@@ -254,15 +254,11 @@ def use_asm(t: torch.Tensor) -> bool:
 
 def plan(lin: Q4Linear, rows: int) -> tuple[Q4Tile, bool]:
     """(tile, seq) for `rows` rows of x through lin: SEQ_MIN_ROWS rows or more run each tile's
-    K splits in one program (no partials in memory), WIDE_MIN_ROWS or more the wide row tile
-    (weights of DENSE_MIN_N outputs or more: from WIDE_SPLIT_MIN_ROWS, when set).
+    K splits in one program (no partials in memory), WIDE_MIN_ROWS or more the wide row tile.
     Both give every row the bits of the decode tile with parallel splits (the same MMAs per
     row, the same split ranges and merge order), so the choice may follow the batch."""
     seq = lin.split > 1 and rows >= q4_layout.SEQ_MIN_ROWS
-    wide = rows >= q4_layout.WIDE_MIN_ROWS or (
-        q4_layout.WIDE_SPLIT_MIN_ROWS is not None and rows >= q4_layout.WIDE_SPLIT_MIN_ROWS
-        and lin.out_features >= q4_layout.DENSE_MIN_N)
-    return (q4_layout.WIDE_TILE if wide else LINEAR_TILE), seq
+    return (q4_layout.WIDE_TILE if rows >= q4_layout.WIDE_MIN_ROWS else LINEAR_TILE), seq
 
 
 def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,

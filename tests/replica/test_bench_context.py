@@ -28,8 +28,9 @@ def test_bench_by_context_on_cpu_with_the_default_model(tmp_path):
         assert r["fits"] and r["prefill_tok_per_s"] > 0 and r["ttft_ms"] > 0
         # decode: resumed from the retained prefill, every stream decodes from the first step
         assert r["decode_tok_per_s"] > 0 and r["ms_per_step"] > 0 and r["decode_steps"] == 3
-        # the median of those 3 steps' gaps lies within them: at most 3x the mean
-        assert 0 < r["ms_per_step_median"] <= 3 * r["ms_per_step"]
+        # the median step is a step's length: three alike steps, so near their mean (a gap
+        # measured inside one step, or across two, would fall outside)
+        assert r["ms_per_step"] / 3 < r["ms_per_step_median"] < 2 * r["ms_per_step"]
         assert 0 < r["gb_per_step"] < 1 and r["roofline_pct"] > 0
 
 
