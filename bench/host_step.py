@@ -6,9 +6,9 @@ N streams decode together (all prompts prefilled first); each timed step is spli
             is not a pure decode, builds)
   stage     what a GPU decode step does instead of `build`, run on the same record: picking the
             graph (DecodeGraphs.accepts, key) and staging its inputs, into ordinary CPU tensors
-  forward   the rest of runner.execute: the model and the greedy argmax (device work, which a
-            decode graph does on the GPU; not host time, shown for scale)
-  pick      ModelRunner._pick: greedy ids and logits rows out of the forward
+  forward   the rest of runner.launch: the model, the greedy argmax and the host rows (device
+            work, which a decode graph does on the GPU; not host time, shown for scale)
+  pick      ModelRunner.collect: greedy ids and logits rows out of the forward
   post      everything step() does after execute: sampling, detokenizing, finish checks, events
 On a GPU, a decode step's host time is schedule + stage + pick + post ("host gpu" below); on
 CPU it is schedule + build + pick + post ("host cpu"). Medians over the timed steps (the mean
@@ -65,7 +65,7 @@ class StageInputs:
 
 
 class PhaseClock:
-    """Wraps the core's schedule/build/forward/_pick/execute on the instances and times them,
+    """Wraps the core's schedule/build/forward/collect/launch on the instances and times them,
     until close()."""
 
     def __init__(self, core: EngineCore) -> None:
@@ -73,9 +73,9 @@ class PhaseClock:
         self.now: dict[str, float] = defaultdict(float)
         runner = core.runner
         stage = StageInputs(core)
-        schedule, build, forward, pick, execute = (core.scheduler.schedule, runner.build,
-                                                   runner.model.forward, runner._pick,
-                                                   runner.execute)
+        schedule, build, forward, pick, launch = (core.scheduler.schedule, runner.build,
+                                                  runner.model.forward, runner.collect,
+                                                  runner.launch)
 
         def timed_schedule():
             t0 = time.perf_counter()
@@ -95,13 +95,13 @@ class PhaseClock:
             return call
 
         targets = ((core.scheduler, "schedule"), (runner, "build"), (runner.model, "forward"),
-                   (runner, "_pick"), (runner, "execute"))
+                   (runner, "collect"), (runner, "launch"))
         self._saved = [(obj, name, vars(obj).get(name)) for obj, name in targets]
         core.scheduler.schedule = timed_schedule
         runner.build = timed("build", build)
         runner.model.forward = timed("forward", forward)
-        runner._pick = timed("pick", pick)
-        runner.execute = timed("execute", execute)
+        runner.collect = timed("pick", pick)
+        runner.launch = timed("launch", launch)
 
     def close(self) -> None:
         for obj, name, before in self._saved:
@@ -118,8 +118,8 @@ class PhaseClock:
         total = time.perf_counter() - t0 - self.now["stage"]
         ph = {k: self.now[k] for k in ("schedule", "build", "stage", "pick")}
         # the device's work: the forward and, on this path, the greedy argmax outside it
-        ph["forward"] = self.now["execute"] - self.now["build"] - self.now["pick"]
-        ph["post"] = total - self.now["schedule"] - self.now["execute"]
+        ph["forward"] = self.now["launch"] - self.now["build"]
+        ph["post"] = total - self.now["schedule"] - self.now["launch"] - self.now["pick"]
         return ph
 
 

@@ -41,6 +41,9 @@ class EngineConfig:
     poison_freed_kv: bool = False  # debug/tests: NaN-fill blocks as they are freed
     overlap_events: bool | None = None  # detokenize and deliver a step's token events while the
     # next step runs on the device (EngineCore.step); None: on CUDA only
+    lookahead: bool | None = None  # launch a decode step before the step before it has
+    # returned its tokens to the host, its tokens fed on the device (greedy streams only;
+    # EngineCore.step); None: on CUDA only
 
     def __post_init__(self) -> None:
         checks = {
@@ -92,6 +95,10 @@ class EngineConfig:
     @property
     def use_overlap_events(self) -> bool:
         return self.cuda if self.overlap_events is None else self.overlap_events
+
+    @property
+    def use_lookahead(self) -> bool:
+        return self.cuda if self.lookahead is None else self.lookahead
 
     @property
     def serialized(self) -> bool:

@@ -72,6 +72,9 @@ class EngineCore:
         # worked out while the next step runs on the device
         self._overlap = config.use_overlap_events
         self._pending: list[_Live] = []
+        # lookahead: the step launched ahead of its predecessor's tokens, not yet collected
+        self._lookahead = config.use_lookahead
+        self._ahead: tuple | None = None
         self.steps = 0
         self.tokens_computed = 0  # prompt/recompute tokens fed through the model (for tests/stats)
 
@@ -153,23 +156,33 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._ahead is not None
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> int:
-        """Run one step; returns the number of tokens fed through the model."""
-        record = self.scheduler.schedule()
-        if record.exhausted or not record.chunks:
-            self._flush_events()
-        for s in record.exhausted:
-            self._finish(self._live[s.request_id], "length")
-        if not record.chunks:
-            return 0
+        """Run one step; returns the number of tokens fed through the model. With lookahead,
+        the step after it is launched before this one's tokens reach the host, when the
+        scheduler can tell what it is (Scheduler.schedule_ahead): the device goes on while
+        the host turns this step's picks into events."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            record, launched = ahead
+        else:
+            record = self.scheduler.schedule()
+            if record.exhausted or not record.chunks:
+                self._flush_events()
+            for s in record.exhausted:
+                self._finish(self._live[s.request_id], "length")
+            if not record.chunks:
+                return 0
+            launched = self.runner.launch(record)
+        if self._lookahead:
+            self._ahead = self._launch_ahead(record, launched)
         # the last step's events go out while this one runs on the device (runner.while_running
-        # is called between its launch and the host's wait on it), else right after it
+        # is called before the host waits on it)
         self.runner.while_running = self._flush_events if self._pending else None
         try:
-            out = self.runner.execute(record)
+            out = self.runner.collect(launched)
         finally:
             self.runner.while_running = None
         self._flush_events()
@@ -178,7 +191,7 @@ class EngineCore:
         greedy, lives = out.greedy, self._live
         for r, chunk in enumerate(record.chunks):
             s = chunk.stream
-            if s.finished:  # a stop string ended it while this step ran: the row is dropped
+            if s.finished:  # it ended (a stop string, a cancel) while this step ran: row dropped
                 continue
             s.num_computed = chunk.end
             live = lives[s.request_id]
@@ -192,6 +205,21 @@ class EngineCore:
                 s.output_ids.append(tok)
                 self._emit(live, defer=self._overlap)
         return record.num_tokens
+
+    def _launch_ahead(self, record, launched):
+        """(the next step, launched) when it can start before `record`'s tokens are known:
+        every stream greedy (its token is the device's argmax), those whose token from
+        `record` ends them by count left out. None otherwise."""
+        if not all(c.stream.params.greedy for c in record.chunks):
+            return None
+        limit = self.max_context
+
+        def continues(s: Stream) -> bool:
+            m = s.params.max_tokens
+            return (m is None or len(s.output_ids) + 1 < m) and s.num_tokens + 1 < limit
+
+        nxt = self.scheduler.schedule_ahead(record, continues)
+        return None if nxt is None else (nxt, self.runner.launch(nxt, feed=launched))
 
     def _pool_hidden(self, live: _Live, hidden: torch.Tensor) -> None:
         acc = live.pooled if live.pooled is not None else torch.zeros(hidden.shape[1])
@@ -280,6 +308,7 @@ class EngineCore:
     def fail_all(self, error: Exception) -> None:
         """The loop is dying: every live request gets a final error event."""
         self._pending.clear()
+        self._ahead = None
         for live in list(self._live.values()):
             live.stream.finish_reason = "error"
             try:

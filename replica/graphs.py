@@ -63,14 +63,17 @@ class DecodeGraphs:
     def captured(self) -> set[tuple[int, int]]:
         return set(self._graphs)
 
-    def run(self, record: StepRecord) -> tuple[torch.Tensor, torch.Tensor]:
-        """→ (logits [bucket, vocab] fp32, argmax [bucket] int64) on the device: the graph's
-        outputs, whose first len(record.chunks) rows are the step's."""
+    def launch(self, record: StepRecord, feed_ids: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the step's graph (not waited for) → (logits [bucket, vocab] fp32, argmax
+        [bucket] int64) on the device: the graph's outputs, whose first len(record.chunks) rows
+        are the step's. feed_ids [R] int64 on the device: the picks of the step before, for a
+        step scheduled ahead (each chunk's token is feed_ids[chunk.feed_row])."""
         key = self.key(record)
         g = self._graphs.get(key)
         if g is None:
             g = self._graphs[key] = _Graph(self.model, self.kv, *key, self.device)
-        g.load(record, self.block_size, self.tables)
+        g.load(record, self.block_size, self.tables, feed_ids)
         g.graph.replay()
         return g.logits, g.argmax
 
@@ -84,7 +87,7 @@ class DecodeGraphs:
         key = self.key_for(min(streams, GRAPH_BATCHES[-1]), per)
         g = self._graphs[key]
         n = min(streams, g.batch)
-        ints, ctx = g.host_ints, g.host_ctx
+        ints, ctx = g.host_ints[0], g.host_ctx[0]
         ints.zero_()
         ints[1, :n] = context - 1
         ints[2] = -1
@@ -120,8 +123,14 @@ class _Graph:
         # inputs in two tensors, so a replay's inputs cross to the device in two copies
         self.ints = torch.zeros(3, batch, **i64)  # [3, B]: token_ids, positions, slots
         self.ctx = torch.zeros(batch + batch * width, **i32)  # [B + B*W]: ctx_lens, then tables
-        self.host_ints = torch.zeros(3, batch, dtype=torch.int64, pin_memory=True)
-        self.host_ctx = torch.zeros(batch + batch * width, dtype=torch.int32, pin_memory=True)
+        # pinned staging, two sets used in turn: a set is rewritten only after the step that
+        # copied from it is done (the engine collects a step before it launches the one after
+        # the next), so a step can be staged while the one before runs
+        self.host_ints = [torch.zeros(3, batch, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self.host_ctx = [torch.zeros(batch + batch * width, dtype=torch.int32, pin_memory=True)
+                         for _ in range(2)]
+        self._turn = 0
+        self.fed = torch.zeros(batch, **i64)  # the fed tokens of a step scheduled ahead
         self.batch, self.width = batch, width
         self.fb = ForwardBatch(
             token_ids=self.ints[0], positions=self.ints[1], slots=self.ints[2],
@@ -138,11 +147,21 @@ class _Graph:
             self.logits, _ = model.forward(self.fb, kv)  # [B, vocab] fp32
             self.argmax = torch.argmax(self.logits, dim=-1)  # [B] int64: greedy picks stay on the GPU
 
-    def load(self, record: StepRecord, block_size: int, tables: BlockTables) -> None:
-        """Stage the step's n <= B decode tokens in rows [0, n) and padding after them."""
-        stage_decode(record, block_size, tables, self.host_ints, self.host_ctx)
-        self.ints.copy_(self.host_ints, non_blocking=True)
-        self.ctx.copy_(self.host_ctx, non_blocking=True)
+    def load(self, record: StepRecord, block_size: int, tables: BlockTables,
+             feed_ids: torch.Tensor | None = None) -> None:
+        """Stage the step's n <= B decode tokens in rows [0, n) and padding after them; with
+        feed_ids, each row's token is feed_ids[chunk.feed_row], gathered on the device."""
+        self._turn ^= 1
+        ints, ctx = self.host_ints[self._turn], self.host_ctx[self._turn]
+        stage_decode(record, block_size, tables, ints, ctx)
+        self.ints.copy_(ints, non_blocking=True)
+        self.ctx.copy_(ctx, non_blocking=True)
+        if record.chunks[0].feed_row >= 0:
+            if feed_ids is None:
+                raise ValueError("a step scheduled ahead needs the step before's picks")
+            n = len(record.chunks)
+            torch.index_select(feed_ids, 0, self.ints[0, :n], out=self.fed[:n])
+            self.ints[0, :n].copy_(self.fed[:n])
 
 
 def stage_decode(record: StepRecord, block_size: int, tables: BlockTables, ints: torch.Tensor,
@@ -151,14 +170,16 @@ def stage_decode(record: StepRecord, block_size: int, tables: BlockTables, ints:
     ints [3, B] int64 (token ids, positions, slots) and ctx [B + B*W] int32 (context lengths,
     then the block tables as [B, W], each zero-padded). Rows [n, B) are padding: token 0,
     position 0, slot -1 (writes no KV), context 0 (reads none), a table of zeros. Every element
-    is written. One pass over the chunks in Python; the rows go in with a few bulk writes."""
+    is written (a chunk scheduled ahead: its feed row in place of its token). One pass over the
+    chunks in Python; the rows go in with a few bulk writes."""
     b = ints.shape[1]
     w = (ctx.shape[0] - b) // b
     chunks = record.chunks
     n = len(chunks)
     streams = [c.stream for c in chunks]
     pos = [c.start for c in chunks]
-    toks = [s.token_at(p) for s, p in zip(streams, pos)]
+    # a chunk scheduled ahead stages its feed row: the device swaps in that row's pick
+    toks = [c.feed_row if c.feed_row >= 0 else s.token_at(p) for c, s, p in zip(chunks, streams, pos)]
     slots = [s.block_table[p // block_size] * block_size + p % block_size
              for s, p in zip(streams, pos)]
     host, lens = ints.numpy(), ctx.numpy()  # the tensors' memory: [3, B] int64, [B + B*W] int32

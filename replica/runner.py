@@ -55,6 +55,20 @@ class HostRows(Mapping):
         return len(self._row_of)
 
 
+@dataclass(eq=False)
+class Launched:
+    """A step started on the device (ModelRunner.launch), its results not yet collected."""
+
+    record: StepRecord
+    logits: torch.Tensor | None  # [R, vocab] fp32 on the device, R >= len(sample_chunks)
+    argmax: torch.Tensor | None  # [R] int64 on the device: each row's greedy pick
+    sample_chunks: list[int]  # the chunk of each logits row
+    hidden: dict[int, torch.Tensor]  # chunk index → [n, hidden] fp32 (CPU), embed chunks
+    ids: torch.Tensor | None = None  # [L] int64 on the host (filled by `done`)
+    rows: torch.Tensor | None = None  # [host-sampled rows, vocab] fp32 on the host, or None
+    done: torch.cuda.Event | None = None  # CUDA: recorded after the copies to the host
+
+
 class ModelRunner:
     """fast_prefill: prompt tokens at positions >= kernels.prefill.MIN_POSITION attend through
     the tiled prefill path. Which path a token takes depends on its position and its stream's
@@ -70,20 +84,24 @@ class ModelRunner:
         cuda = torch.device(model.device).type == "cuda"
         self.tables = BlockTables()
         self.graphs = DecodeGraphs(model, kv, fast_prefill, self.tables) if cuda else None
-        self._host: torch.Tensor | None = None  # pinned staging for logits rows (CUDA)
-        self._host_ids: torch.Tensor | None = None  # pinned staging for argmax ids (CUDA)
-        # host work to run while a step's device work is in flight (CUDA): called at most once
-        # per execute, after the step is launched and before the host waits on it; the caller
-        # sets and clears it, and runs it itself where execute did not (CPU)
+        # pinned staging (CUDA), two sets used in turn: logits rows, argmax ids
+        self._host: list[torch.Tensor | None] = [None, None]
+        self._host_ids: list[torch.Tensor | None] = [None, None]
+        self._turn = 0
+        # host work to run while a step's device work is in flight: called by the next collect
+        # (execute), before it waits for the step, then cleared; the caller sets it
         self.while_running: Callable[[], None] | None = None
 
     def prefill_range(self, c: Chunk) -> tuple[int, int] | None:
         return prefill_range(c, self.fast_prefill)
 
-    def build(self, record: StepRecord) -> tuple[ForwardBatch, list[int], list[tuple[int, int, int]]]:
+    def build(self, record: StepRecord, feed_ids: torch.Tensor | None = None
+              ) -> tuple[ForwardBatch, list[int], list[tuple[int, int, int]]]:
         """→ (the step's T tokens from S = len(record.chunks) streams as a ForwardBatch on the
         model's device; sample_chunks: the chunk of each of its L logit rows; hidden_spans:
-        (chunk, first token row, end) of each embed chunk, in the order of its E hidden rows)."""
+        (chunk, first token row, end) of each embed chunk, in the order of its E hidden rows).
+        feed_ids [R] int64 on the device: the greedy picks of the step before, where a chunk
+        with feed_row >= 0 takes its token (every chunk of a step scheduled ahead)."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -100,7 +118,10 @@ class ModelRunner:
             s = c.stream
             table = s.block_table
             first = len(ids)
-            ids.extend(s.token_slice(c.start, c.end))
+            if c.feed_row >= 0:
+                ids.append(c.feed_row)  # a row of feed_ids, gathered on the device below
+            else:
+                ids.extend(s.token_slice(c.start, c.end))
             p = range(c.start, c.end)
             pos.extend(p)
             slots.extend(table[i // bs] * bs + i % bs for i in p)
@@ -129,8 +150,13 @@ class ModelRunner:
             split = dict(prefill=tuple(spans), paged_rows=paged_rows.to(dev),
                          paged_tok_row=tok_row[paged_rows].to(dev),
                          paged_ctx_lens=(positions[paged_rows] + 1).to(torch.int32).to(dev))
+        token_ids = int_tensor(ids, torch.int64).to(dev)
+        if any(c.feed_row >= 0 for c in record.chunks):
+            if feed_ids is None or not all(c.feed_row >= 0 for c in record.chunks):
+                raise ValueError("a step scheduled ahead needs the step before's picks, for all its chunks")
+            token_ids = feed_ids.index_select(0, token_ids)
         batch = ForwardBatch(
-            token_ids=int_tensor(ids, torch.int64).to(dev),
+            token_ids=token_ids,
             positions=positions.to(dev),
             slots=int_tensor(slots, torch.int64).to(dev),
             block_tables=tables.to(dev),
@@ -144,69 +170,96 @@ class ModelRunner:
 
     def execute(self, record: StepRecord) -> StepOutput:
         """→ logits [vocab] fp32 per sampling chunk, hidden [n, hidden] fp32 per embed chunk,
-        and the token of each greedy chunk. Greedy chunks get their token (argmax, first index on
-        ties) chosen where the logits are, so on CUDA only ids and the rows of host-sampled chunks
-        cross to the host. Logits are valid until the next execute (on CUDA they sit in reused
-        buffers)."""
+        and the token of each greedy chunk: collect(launch(record))."""
         if not record.chunks:
             return StepOutput({}, {})
-        if self.graphs is not None and self.graphs.accepts(record):
-            logits, argmax = self.graphs.run(record)  # [bucket, vocab] fp32, [bucket] int64
-            return self._pick(record, logits, argmax, list(range(len(record.chunks))))
-        batch, sample_chunks, hidden_spans = self.build(record)
-        logits, hidden = self.model.forward(batch, self.kv)  # [L, vocab] fp32, [E, hidden]
-        out_hidden = {}
-        if hidden is not None:
-            hidden = hidden.cpu()
-            off = 0
-            for r, a, b in hidden_spans:
-                out_hidden[r] = hidden[off: off + (b - a)]
-                off += b - a
-        if logits is None:
-            return StepOutput({}, out_hidden)
-        out = self._pick(record, logits, torch.argmax(logits, dim=-1), sample_chunks)
-        return StepOutput(out.logits, out_hidden, out.greedy)
+        return self.collect(self.launch(record))
 
-    def _pick(self, record: StepRecord, logits: torch.Tensor, argmax: torch.Tensor,
-              sample_chunks: list[int]) -> StepOutput:
-        """logits [R, vocab] fp32 and argmax [R] int64 on one device, R >= L = len(sample_chunks):
-        row i < L belongs to chunk sample_chunks[i] (the rows after it are padding)."""
-        row_of = {r: i for i, r in enumerate(sample_chunks)}
-        chunks = record.chunks
-        greedy_rows: list[int] = []
-        host_rows: list[int] = []
-        for i, r in enumerate(sample_chunks):
-            (greedy_rows if chunks[r].stream.params.greedy else host_rows).append(i)
-        n = len(sample_chunks)
-        if logits.device.type == "cpu":
-            ids = argmax[:n]
-            fetched = {sample_chunks[i]: logits[i] for i in host_rows}
+    def launch(self, record: StepRecord, feed: "Launched | None" = None) -> "Launched":
+        """Start the step on the device and queue its results' copies to the host; on CUDA
+        this returns before the device is done (collect waits). Greedy chunks get their token
+        (argmax, first index on ties) chosen where the logits are, so on CUDA only ids and the
+        rows of host-sampled chunks cross to the host. feed: the step launched before this
+        one, when record was scheduled ahead of it (Scheduler.schedule_ahead): each chunk's
+        token is feed's greedy pick of row chunk.feed_row, taken on the device.
+        Decode-only steps replay a CUDA graph; the rest run eagerly."""
+        if not record.chunks:
+            raise ValueError("launch: an empty step")
+        feed_ids = None if feed is None else feed.argmax
+        if self.graphs is not None and self.graphs.accepts(record):
+            logits, argmax = self.graphs.launch(record, feed_ids)  # [bucket, vocab], [bucket]
+            sample_chunks = list(range(len(record.chunks)))
+            hidden_out = {}
         else:
-            ids, rows = self._to_host(argmax[:n], logits, host_rows)
-            fetched = {sample_chunks[i]: rows[j] for j, i in enumerate(host_rows)}
-        ids = ids.tolist()
-        greedy = {sample_chunks[i]: ids[i] for i in greedy_rows}
-        return StepOutput(HostRows(logits, row_of, fetched), {}, greedy)
+            batch, sample_chunks, hidden_spans = self.build(record, feed_ids)
+            logits, hidden = self.model.forward(batch, self.kv)  # [L, vocab] fp32, [E, hidden]
+            hidden_out = {}
+            if hidden is not None:
+                hidden = hidden.cpu()
+                off = 0
+                for r, a, b in hidden_spans:
+                    hidden_out[r] = hidden[off: off + (b - a)]
+                    off += b - a
+            if logits is None:
+                return Launched(record, None, None, [], hidden_out)
+            argmax = torch.argmax(logits, dim=-1)
+        chunks = record.chunks
+        n = len(sample_chunks)
+        host_rows = [i for i, r in enumerate(sample_chunks)
+                     if not chunks[r].stream.params.greedy]
+        out = Launched(record, logits, argmax, sample_chunks, hidden_out)
+        if logits.device.type == "cpu":
+            out.ids, out.rows = argmax[:n], logits[host_rows] if host_rows else None
+        else:
+            out.ids, out.rows = self._to_host(argmax[:n], logits, host_rows)
+            out.done = torch.cuda.Event()
+            out.done.record(torch.cuda.current_stream(logits.device))
+        return out
+
+    def collect(self, launched: "Launched") -> StepOutput:
+        """Wait for a launched step's results (running while_running first) → its StepOutput.
+        Logits stay valid until the next launch (on CUDA they sit in reused buffers)."""
+        self._overlap()
+        if launched.logits is None:
+            return StepOutput({}, launched.hidden)
+        if launched.done is not None:
+            launched.done.synchronize()
+        sample_chunks = launched.sample_chunks
+        row_of = {r: i for i, r in enumerate(sample_chunks)}
+        chunks = launched.record.chunks
+        ids = launched.ids.tolist()
+        greedy, fetched, j = {}, {}, 0
+        for i, r in enumerate(sample_chunks):
+            if chunks[r].stream.params.greedy:
+                greedy[r] = ids[i]
+            else:
+                fetched[r] = launched.rows[j]
+                j += 1
+        return StepOutput(HostRows(launched.logits, row_of, fetched), launched.hidden, greedy)
 
     def _to_host(self, ids: torch.Tensor, logits: torch.Tensor,
-                 rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                 rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids [N] int64, logits [R, vocab] fp32 on the device → (ids [N] int64, logits[rows]
-        [len(rows), vocab] fp32 or None when rows is empty), in pinned host buffers, with one
-        synchronization."""
+        [len(rows), vocab] fp32, or None when rows is empty) in pinned host buffers, copied
+        after the step's work in stream order (not waited for). Two sets of buffers in turn:
+        a step's results stay readable while the next one is launched and copies its own."""
         n, v = len(rows), logits.shape[1]
-        if self._host_ids is None or self._host_ids.shape[0] < ids.shape[0]:
-            self._host_ids = torch.empty(max(ids.shape[0], 128), dtype=torch.int64, pin_memory=True)
-        host_ids = self._host_ids[: ids.shape[0]]
+        self._turn ^= 1
+        t = self._turn
+        if self._host_ids[t] is None or self._host_ids[t].shape[0] < ids.shape[0]:
+            self._host_ids[t] = torch.empty(max(ids.shape[0], 128), dtype=torch.int64,
+                                            pin_memory=True)
+        host_ids = self._host_ids[t][: ids.shape[0]]
         host_ids.copy_(ids, non_blocking=True)
         out = None
         if n:
-            if self._host is None or self._host.shape[0] < n or self._host.shape[1] != v:
-                self._host = torch.empty(max(n, 64), v, dtype=torch.float32, pin_memory=True)
-            out = self._host[:n]
+            host = self._host[t]
+            if host is None or host.shape[0] < n or host.shape[1] != v:
+                host = self._host[t] = torch.empty(max(n, 64), v, dtype=torch.float32,
+                                                   pin_memory=True)
+            out = host[:n]
             index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
             out.copy_(logits.index_select(0, index), non_blocking=True)
-        self._overlap()
-        torch.cuda.current_stream(logits.device).synchronize()
         return host_ids, out
 
     def _overlap(self) -> None:

@@ -20,16 +20,20 @@ from replica.stream import Stream
 
 @dataclass(frozen=True)
 class Chunk:
-    """Feed stream.tokens[start:end] this step."""
+    """Feed stream.tokens[start:end] this step. feed_row >= 0: a chunk scheduled ahead
+    (Scheduler.schedule_ahead) — its one token is not on the host yet: it is the greedy pick
+    of row feed_row of the step before, taken on the device."""
 
     stream: Stream
     start: int
     end: int
+    feed_row: int = -1
 
     @property
     def samples(self) -> bool:
-        """True when this chunk reaches the stream's last token: its logits pick the next one."""
-        return self.end == self.stream.num_tokens and not self.stream.embed
+        """True when this chunk reaches the stream's last token: its logits pick the next one
+        (a chunk scheduled ahead does, once the step before has given it its token)."""
+        return self.feed_row >= 0 or (self.end == self.stream.num_tokens and not self.stream.embed)
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,44 @@ class Scheduler:
         if preempted:  # a stream preempted after it was scheduled (by an older one) drops out
             chunks = [c for c in chunks if c.stream not in preempted]
         return StepRecord(tuple(chunks), tuple(preempted), tuple(exhausted))
+
+    def schedule_ahead(self, record: StepRecord, continues) -> StepRecord | None:
+        """The decode step after `record`, scheduled while `record` runs, before its tokens reach
+        the host (EngineCore's lookahead): each stream of `record` for which continues(stream)
+        holds decodes the token `record` picks for it, fed on the device (Chunk.feed_row).
+        Only where schedule() would give the same streams one decode each once `record` is
+        done: record decodes every running stream one token, no stream waits for a free
+        running place (an admission is tried when one is free), and the blocks
+        for one more token are free without evicting or preempting (None otherwise; nothing is
+        changed then). Streams that finished since `record` was scheduled are left out. A
+        stream that `record` ends (a stop token; a stop string or a cancel before this step
+        ends) has its row computed and dropped; its KV slot is written past its tokens, where
+        nothing reads it."""
+        chunks = record.chunks
+        live = [(i, c) for i, c in enumerate(chunks) if not c.stream.finished]
+        admits = self.waiting and len(self.running) < self.max_running  # schedule() would try
+        if (admits or not live or record.preempted or record.exhausted
+                or len(live) != len(self.running) or len(live) > self.max_batch_tokens):
+            return None
+        rows: list[tuple[int, Stream]] = []
+        need = 0
+        for i, c in live:
+            s = c.stream
+            if c.end - c.start != 1 or c.end != s.num_tokens or s.embed:
+                return None
+            if continues(s):
+                rows.append((i, s))
+                need += max(0, -(-(c.end + 1) // self.block_size) - len(s.block_table))
+        if not rows or need > self.pool.num_free:
+            return None
+        out = []
+        for i, s in rows:
+            end = chunks[i].end
+            grow = -(-(end + 1) // self.block_size) - len(s.block_table)
+            if grow > 0:
+                s.block_table = s.block_table + self.pool.allocate(grow)
+            out.append(Chunk(s, end, end + 1, feed_row=i))
+        return StepRecord(tuple(out), ())
 
     def _claim_session(self, s: Stream) -> None:
         if s.session_id is None or s.embed or not self.retain_sessions:

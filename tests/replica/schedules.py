@@ -46,21 +46,37 @@ def kv_digest(core: EngineCore, stream, n: int) -> str:
 
 def record_logits(core: EngineCore) -> dict[str, list[tuple[int, str]]]:
     """Wrap the core's runner to log, per request, (position, digest of the logits' bits) of
-    every sampled position. Tokens can agree while logits differ; bits cannot."""
+    every sampled position (rows of streams that finished before their step ended are dropped
+    by the core, and here). Tokens can agree while logits differ; bits cannot. The logits are
+    copied on the device as each step is launched: a decode graph's buffer is rewritten by the
+    next launch, which lookahead makes before this step is collected. unlog undoes it."""
     log: dict[str, list[tuple[int, str]]] = {}
-    execute = core.runner.execute
+    launch, collect = core.runner.launch, core.runner.collect
 
-    def logged(record):
-        out = execute(record)
+    def kept(record, feed=None):
+        out = launch(record, feed)
+        if out.logits is not None:
+            out.logits = out.logits.clone()
+        return out
+
+    def logged(launched):
+        out = collect(launched)
+        record = launched.record
         for r, chunk in enumerate(record.chunks):
-            if r in out.logits:
+            if r in out.logits and not chunk.stream.finished:
                 bits = out.logits[r].contiguous().numpy().tobytes()
                 log.setdefault(chunk.stream.request_id, []).append(
                     (chunk.end, hashlib.blake2b(bits, digest_size=16).hexdigest()))
         return out
 
-    core.runner.execute = logged
+    core.runner.launch, core.runner.collect = kept, logged
     return log
+
+
+def unlog(core: EngineCore) -> None:
+    """Undo record_logits: the class's methods show through again."""
+    core.runner.__dict__.pop("launch", None)
+    core.runner.__dict__.pop("collect", None)
 
 
 def run_solo(core: EngineCore, spec: StreamSpec) -> tuple[list[int], list[tuple[int, str]]]:
@@ -72,7 +88,7 @@ def run_solo(core: EngineCore, spec: StreamSpec) -> tuple[list[int], list[tuple[
         while core.has_work:
             core.step()
     finally:
-        del core.runner.execute  # back to the class method
+        unlog(core)
     assert events[-1].finished
     return [t for ev in events for t in ev.token_ids], log.get("solo", [])
 
@@ -85,28 +101,31 @@ def run_schedule(core: EngineCore, specs: list[StreamSpec], check_kv: bool = Tru
     done: set[int] = set()
     step = 0
     pending = sorted(range(len(specs)), key=lambda i: specs[i].arrival)
-    while pending or core.has_work:
-        while pending and specs[pending[0]].arrival <= step:
-            i = pending.pop(0)
+    try:
+        while pending or core.has_work:
+            while pending and specs[pending[0]].arrival <= step:
+                i = pending.pop(0)
 
-            def sink(ev, i=i):
-                out[i].extend(ev.token_ids)
-                if ev.finished:
-                    done.add(i)
-            core.add(core.prepare(specs[i].request(f"r{i}")), sink)
-        for i, spec in enumerate(specs):
-            if spec.cancel_after is not None and spec.arrival + spec.cancel_after == step and i not in done:
-                core.abort(f"r{i}")
-        before = {s.request_id: (s.num_computed, s.num_preemptions, kv_digest(core, s, s.num_computed))
-                  for s in core.scheduler.running} if check_kv else {}
-        core.step()
-        step += 1
-        core.check_integrity()
-        for s in core.scheduler.running:
-            if s.request_id in before and before[s.request_id][1] == s.num_preemptions:
-                n, _, digest = before[s.request_id]
-                assert kv_digest(core, s, n) == digest, f"{s.request_id}: its KV changed"
-        assert step < 10_000, "schedule did not finish"
+                def sink(ev, i=i):
+                    out[i].extend(ev.token_ids)
+                    if ev.finished:
+                        done.add(i)
+                core.add(core.prepare(specs[i].request(f"r{i}")), sink)
+            for i, spec in enumerate(specs):
+                if spec.cancel_after is not None and spec.arrival + spec.cancel_after == step and i not in done:
+                    core.abort(f"r{i}")
+            before = {s.request_id: (s.num_computed, s.num_preemptions, kv_digest(core, s, s.num_computed))
+                      for s in core.scheduler.running} if check_kv else {}
+            core.step()
+            step += 1
+            core.check_integrity()
+            for s in core.scheduler.running:
+                if s.request_id in before and before[s.request_id][1] == s.num_preemptions:
+                    n, _, digest = before[s.request_id]
+                    assert kv_digest(core, s, n) == digest, f"{s.request_id}: its KV changed"
+            assert step < 10_000, "schedule did not finish"
+    finally:
+        unlog(core)
     return out, {i: log.get(f"r{i}", []) for i in range(len(specs))}
 
 

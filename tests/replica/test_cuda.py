@@ -145,7 +145,6 @@ def test_cuda_stream_alone_vs_among_1_to_64_others_bitwise(preset, context):
             specs = others(n, context, model.config.vocab_size)
             specs.insert(n // 2, StreamSpec(spec.prompt, spec.max_tokens, arrival=1))
             tokens, logits = run_schedule(core, specs, check_kv=False)
-            core.runner.__dict__.pop("execute", None)  # run_schedule's logging wrapper
             assert tokens[n // 2] == solo_tokens, n
             assert logits[n // 2] == solo_logits, f"{n} others: logit bits differ from the solo run"
             assert core.pool.num_free == core.pool.num_blocks
@@ -155,6 +154,34 @@ def test_cuda_stream_alone_vs_among_1_to_64_others_bitwise(preset, context):
         del core
         release()
     assert bool(calls) == (context > prefill.MIN_POSITION)
+
+
+def test_cuda_lookahead_gives_the_plain_tokens_and_logit_bits():
+    """On CUDA a decode step is launched before the step before has returned its tokens (the
+    default): its tokens are fed on the device into the graph's inputs. Streams that join,
+    finish at different lengths and are cancelled get the tokens and logit bits of a run
+    without lookahead, and steps really ran ahead."""
+    model = loaded(SMALL, "cuda")
+    g = torch.Generator().manual_seed(5)
+    specs = [StreamSpec(tuple(torch.randint(0, 256, (int(n),), generator=g).tolist()), int(m),
+                        arrival=int(a), cancel_after=c)
+             for n, m, a, c in zip(torch.randint(20, 300, (12,), generator=g),
+                                   torch.randint(3, 40, (12,), generator=g),
+                                   torch.randint(0, 6, (12,), generator=g),
+                                   [None] * 10 + [9, 20])]
+    runs, ahead = [], []
+    for lookahead in (False, True):
+        core = small_core(model, device="cuda", block_size=16, num_kv_blocks=512,
+                          max_running_streams=16, max_batch_tokens=None, lookahead=lookahead)
+        launch, fed = core.runner.launch, []
+        core.runner.launch = lambda record, feed=None: fed.append(feed is not None) or launch(record, feed)
+        runs.append(run_schedule(core, specs))
+        ahead.append(sum(fed))
+        assert core.pool.num_free == core.pool.num_blocks
+        del core
+        release()
+    assert runs[1] == runs[0]
+    assert ahead[0] == 0 and ahead[1] >= 20
 
 
 def test_cuda_synthetic_30b_draws_on_the_device_in_seconds_and_deterministically():

@@ -36,7 +36,8 @@ def solo(preset: str, spec: StreamSpec) -> tuple[tuple[int, ...], tuple]:
     return tuple(tokens), tuple(logits)
 
 
-def stream_specs(vocab: int):
+def stream_specs(vocab: int, greedy_share: int = 1):
+    """greedy_share: greedy streams per sampled one, on average."""
     sampled = st.tuples(st.floats(0.3, 1.5), st.sampled_from([1.0, 0.9, 0.5]),
                         st.sampled_from([0, 5, 50]), st.integers(0, 2**31))
     return st.builds(
@@ -44,7 +45,7 @@ def stream_specs(vocab: int):
             tuple(prompt), mt, *(samp if samp else (0.0, 1.0, 0, None)), arrival, cancel),
         st.lists(st.integers(0, vocab - 1), min_size=1, max_size=40),
         st.integers(1, 24),
-        st.one_of(st.none(), sampled),
+        st.one_of(*[st.none()] * greedy_share, sampled),
         st.integers(0, 12),
         st.one_of(st.none(), st.none(), st.integers(0, 8)),
     )
@@ -75,6 +76,17 @@ KNOBS = dict(num_kv_blocks=st.integers(17, 64), max_batch_tokens=st.integers(4, 
 def test_random_schedules_tiny_llama(specs, num_kv_blocks, max_batch_tokens, max_running_streams):
     check("tiny-llama", specs, num_kv_blocks=num_kv_blocks, max_batch_tokens=max_batch_tokens,
           max_running_streams=max_running_streams)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(specs=st.lists(stream_specs(320, greedy_share=6), min_size=12, max_size=16), **KNOBS)
+def test_random_schedules_tiny_llama_lookahead(specs, num_kv_blocks, max_batch_tokens,
+                                               max_running_streams):
+    """With lookahead (decode steps launched before the step before has returned its tokens,
+    fed on the device; only while every running stream is greedy) against solo runs without
+    it."""
+    check("tiny-llama", specs, num_kv_blocks=num_kv_blocks, max_batch_tokens=max_batch_tokens,
+          max_running_streams=max_running_streams, lookahead=True)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))

@@ -25,15 +25,16 @@ def mixed_step(device: str):
         req = Request(prompt_token_ids=(3 + i, 9, 4 + i), params=p, request_id=f"r{i}")
         core.add(core.prepare(req), lambda ev: None)
     seen = []
-    execute = core.runner.execute
+    collect = core.runner.collect
 
-    def logged(record):
-        out = execute(record)
+    def logged(launched):
+        record = launched.record
+        out = collect(launched)
         samples = [c.samples for c in record.chunks]  # before the step appends tokens
         seen.append((record, samples, out, {r: out.logits[r].clone() for r in out.logits}))
         return out
 
-    core.runner.execute = logged
+    core.runner.collect = logged
     while core.has_work:
         core.step()
     return seen

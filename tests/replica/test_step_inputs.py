@@ -139,8 +139,8 @@ def test_eager_batch_equals_a_plain_loop(monkeypatch, fast_prefill):
                  lambda ev: None)
     build, checked = core.runner.build, []
 
-    def checked_build(record):
-        batch, sample_chunks, hidden = build(record)
+    def checked_build(record, feed_ids=None):  # (lookahead is off on CPU: never fed)
+        batch, sample_chunks, hidden = build(record, feed_ids)
         want = plain_batch(record, core.config.block_size, fast_prefill)
         for name, value in want.items():
             got = getattr(batch, name)
