@@ -31,9 +31,14 @@ def apply(mode: str) -> None:
         q4_layout.DENSE_MIN_ROWS = triton_moe.DENSE_MIN_TOKENS = None
     elif re.search(r'dense[0-9]+', mode):  # rows / tokens from which the dense path runs
         q4_layout.DENSE_MIN_ROWS = triton_moe.DENSE_MIN_TOKENS = int(re.search(r'dense([0-9]+)', mode).group(1))
+    if 'nomid' in mode:  # grouped seq expert launches of 9-32 tokens on the one-warp tile (v11)
+        triton_moe.MID_TILE = None
     if 'nooverlap' in mode:  # a step's events delivered after it, not while the next one runs
         from replica.config import EngineConfig
         EngineConfig.use_overlap_events = property(lambda self: False)
+    if 'nolookahead' in mode:  # no decode step launched before the one before has its tokens
+        from replica.config import EngineConfig
+        EngineConfig.use_lookahead = property(lambda self: False)
     if re.search(r'budget[0-9]+', mode):  # a CUDA step's default token budget
         from replica import config
         config.CUDA_BATCH_TOKENS = int(re.search(r'budget([0-9]+)', mode).group(1))

@@ -60,6 +60,13 @@ WIDE_MIN_TOKENS = 256
 # read twice (from L2 the second time, mostly). H200, experts alone: -28% at 1 token, -25% at
 # 4, -10% at 8, +9% at 16 (GPU_NOTES v9)
 DIRECT_MAX_TOKENS = 8
+# grouped seq launches of up to this many tokens on CUDA run MID_TILE: 4 warps side by side on
+# 256 outputs (each warp's 16 x 64 part is the decode tile's: the same bits on the MMA; the
+# interpreter's numpy dot may move a last bit with the tile's width). H200, experts alone,
+# against the one-warp tile: -11% at 9 tokens, -27% at 12, -15% at 16, -8% at 24, -2% at 32,
+# even at 48-64 (GPU_NOTES v12). None: off
+MID_TILE: Q4Tile | None = Q4Tile(bm=16, bn=256, nb=2, warps=4, stages=3)
+MID_MAX_TOKENS = 32
 # register cap of the one-program-per-tile (seq) expert kernels from MAXNREG_MIN_TOKENS tokens:
 # 168 → 128 registers raises the one-warp programs an SM holds from 12 to 16 (shared memory
 # allows 17), no spill in gate_up (Triton 3.9 offline). H200: experts -4% at 64 tokens, -5% at
@@ -256,7 +263,8 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
     same and its bytes half). tile: the f32/q8 TileConfig, or a q4 Q4Tile with the BK the
     experts were stacked for (default: theirs, its rows widened to WIDE_TILE's from
     WIDE_MIN_TOKENS tokens); seq: whether one program runs all K splits of a q4 expert tile
-    (default: from SEQ_MIN_TOKENS tokens). Neither changes a bit (kernels/triton_q4.py
+    (default: from SEQ_MIN_TOKENS tokens; on CUDA grouped seq launches of up to MID_MAX_TOKENS
+    tokens take MID_TILE). Neither changes a bit (kernels/triton_q4.py
     `plan`). Split programs take the tokens CHUNK_TOKENS per pass (their partials are
     bounded; a token's bits do not depend on its pass); otherwise all go in one pass.
     dense: q4 experts dequantized once into fp16 and run on many-warp tiles (default: on CUDA
@@ -298,7 +306,11 @@ def _experts_pass(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
     if tk == 0:
         return
     fmt = FMT_CODES[experts.fmt]
+    direct = t <= DIRECT_MAX_TOKENS and tk <= experts.num_experts
     if experts.fmt == "q4":
+        if tile is None and seq and not direct and MID_TILE is not None and x.is_cuda \
+                and t <= MID_MAX_TOKENS and MID_TILE.nb == experts.tile.nb:
+            tile = MID_TILE
         tile = tile or (replace(experts.tile, bm=q4_layout.WIDE_TILE.bm)
                         if t >= WIDE_MIN_TOKENS else experts.tile)
         if tile.nb != experts.tile.nb:  # the split ranges are counted in its k steps
@@ -306,7 +318,6 @@ def _experts_pass(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
     else:
         tile = tile or EXPERT_TILE
     dev = x.device
-    direct = t <= DIRECT_MAX_TOKENS and tk <= experts.num_experts
     if direct:  # a slot per assignment, read from ids: no grouping kernel on the critical path
         if ids.dtype != torch.int32 or not ids.is_contiguous():
             raise ValueError("ids: expected contiguous int32 [T, k]")
