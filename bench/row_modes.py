@@ -102,7 +102,8 @@ def moe_modes(copy_gbs: float, ts, tiles, maxnregs, dense_tiles, profile=False) 
             modes.append(("seq direct", stacked.tile, True, {"DIRECT_MAX_TOKENS": t}))
         modes += [(f"seq maxnreg {r or '-'}", stacked.tile, True,
                    {"SEQ_MAXNREG": r, "DOWN_MAXNREG": r}) for r in maxnregs]
-        modes += [(f"{tl.name} seq", tl, True, {}) for tl in tiles]
+        modes += [(f"{tl.name}{f'r{r}' if r else ''} seq", tl, True,
+                   {"SEQ_MAXNREG": r, "DOWN_MAXNREG": r} if r else {}) for tl, r in tiles]
         modes += [(f"dense {tl.name}{' flat' if flat else ''}", tl, None, {"dense": True, "flat": flat})
                   for tl in dense_tiles for flat in (0, 1) if t >= 64]
         if t >= 64:  # k steps unrolled per loop iteration (3 = a split of down), 3 stages
@@ -140,7 +141,8 @@ def main() -> None:
     ap.add_argument("--ms", default="1,8,64,256,1024,4096", help="rows of x (linear)")
     ap.add_argument("--ts", default="1,2,4,8,16,64,512", help="tokens (MoE experts, top-8)")
     ap.add_argument("--tiles", default="32x64x64w1s3,64x64x64w1s3,64x64x64w4s3",
-                    help="wide row tiles (BN and BK of the decode tile)")
+                    help="wide row tiles (BN and BK of the decode tile); a trailing rN caps the "
+                         "expert kernels' registers at N for that tile")
     ap.add_argument("--maxnreg", default="0,128,112",
                     help="register caps of the seq expert kernels (0: the compiler's choice)")
     ap.add_argument("--dense-tiles", default="128x128x64w8s3,64x128x64w4s3",
@@ -152,9 +154,11 @@ def main() -> None:
     args = ap.parse_args()
     copy_gbs = copy_bandwidth()
     print(f"device copy: {copy_gbs:.0f} GB/s (read + write)", flush=True)
-    tiles = [Q4Tile.parse(t) for t in args.tiles.split(",") if t]
+    # a tile may end in rN: the expert kernels' register cap for it (seq; e.g. 16x64x64w1s2r80)
+    tiles = [(Q4Tile.parse(t.split("r")[0]), int(t.split("r")[1]) if "r" in t else 0)
+             for t in args.tiles.split(",") if t]
     dense = [Q4Tile.parse(t) for t in args.dense_tiles.split(",") if t]
-    rows = linear_modes(copy_gbs, [int(v) for v in args.ms.split(",") if v], tiles, dense,
+    rows = linear_modes(copy_gbs, [int(v) for v in args.ms.split(",") if v], [t for t, _ in tiles], dense,
                         args.weights.split(","))
     rows += moe_modes(copy_gbs, [int(v) for v in args.ts.split(",") if v], tiles,
                       [int(v) or None for v in args.maxnreg.split(",")], dense, args.kernels)
