@@ -13,6 +13,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
+import torch
+
 from replica.engine import Engine
 from replica.request import Request
 from replica.sampling import SamplingParams
@@ -82,6 +84,8 @@ def measure(engine: Engine, reqs: list[Request]) -> dict:
             pauses.append((started[0], time.perf_counter() - started[0]))
 
     steps0 = engine.core.steps
+    cuda = engine.config.cuda and torch.cuda.is_available()
+    retries0 = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
     gc.callbacks.append(on_gc)
     t0 = time.perf_counter()
     try:
@@ -94,11 +98,18 @@ def measure(engine: Engine, reqs: list[Request]) -> dict:
         gc.callbacks.remove(on_gc)
     decode_gc = [d for t, d in pauses if t >= mark[0]]
     ttfts = [t - t0 for t in first.values()]
+    gaps = [b - a for a, b in zip([mark[0]] + ends, ends + [end])]  # each decode step, and the
+    # wait from the last step's first event to the end
+    longest = max(range(len(gaps)), key=gaps.__getitem__, default=0)
+    retries = (torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries0) if cuda else 0
     return {"seconds": end - t0, "steps": engine.core.steps - steps0, "tokens": tokens[0],
             "ttft": sum(ttfts) / len(ttfts), "ttft_max": max(ttfts), "prefill_s": mark[0] - t0,
             "decode_s": end - mark[0], "decode_steps": engine.core.steps - mark[1],
             "decode_tokens": tokens[1], "decode_step_ms_median": _median_gap_ms([mark[0]] + ends),
-            "decode_gc_ms": 1e3 * sum(decode_gc), "decode_gc_max_ms": 1e3 * max(decode_gc, default=0.0)}
+            "decode_gc_ms": 1e3 * sum(decode_gc), "decode_gc_max_ms": 1e3 * max(decode_gc, default=0.0),
+            "decode_step_max_ms": 1e3 * gaps[longest] if gaps else 0.0,
+            "decode_step_max_at": longest,  # its index among the decode phase's steps
+            "alloc_retries": retries}  # CUDA allocator: frees-and-retries during the run
 
 
 def _median_gap_ms(times: list[float]) -> float:
@@ -202,7 +213,7 @@ def annotate_gpu(engine: Engine, row: Row, max_tokens: int, copy_gbs: float) -> 
     prompt_len = sum(len(engine.tokenizer.encode(p)) for p in _prompts(row.streams)) / row.streams
     row.gb_per_step = decode_bytes(engine, row.streams, prompt_len + max_tokens / 2) / 1e9
     if key is not None and key in graphs.captured:
-        row.gpu_ms_per_step = graphs.time_replay(key)
+        row.gpu_ms_per_step = engine.run_on_loop(lambda: graphs.time_replay(key), timeout=600)
         row.roofline_pct = 100 * row.gb_per_step / (row.gpu_ms_per_step / 1e3) / copy_gbs
 
 

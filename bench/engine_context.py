@@ -45,6 +45,9 @@ class ContextRow:
     decode_steps: int = 0
     decode_gc_ms: float = 0.0  # Python's garbage collections during the decode phase, all
     decode_gc_max_ms: float = 0.0  # and the longest
+    decode_step_max_ms: float = 0.0  # the longest decode step
+    decode_step_max_at: int = 0  # its index among the decode phase's steps
+    alloc_retries: int = 0  # CUDA allocator frees-and-retries during the decode phase
 
 
 def prompts_of(context: int, streams: int, vocab: int, seed: int = 0) -> list[tuple[int, ...]]:
@@ -67,9 +70,14 @@ def bench_context(engine: Engine, context: int, streams: int, max_tokens: int, c
     prompts = prompts_of(context, streams, engine.model_config.vocab_size)
     graphs = engine.core.runner.graphs
     bs = engine.config.block_size
-    if graphs is not None:  # capture before timing: the graphs this run's decode steps use
-        for ctx in range(context, context + max_tokens + 1, bs):
-            graphs.warm(streams, -(-(ctx + 1) // bs))
+    if graphs is not None:  # capture before timing the graphs this run's decode steps use:
+        # every batch bucket up to `streams` (the streams join, and finish, a few steps apart:
+        # the tail steps run smaller buckets, and a first capture stalls its step ~0.1 s), on
+        # the engine's thread (CUDA work must not race the loop's)
+        widths = {-(-(ctx + 1) // bs) for ctx in range(context, context + max_tokens + 1, bs)}
+        buckets = sorted({graphs.key_for(n)[0] for n in range(1, streams + 1)})
+        engine.run_on_loop(lambda: [graphs.warm(b, w) for b in buckets for w in sorted(widths)],
+                           timeout=600)
     tag = f"bench-{context}-{streams}"
     pre = measure(engine, requests(prompts, 1, tag))
     dec = measure(engine, requests(prompts, max_tokens, tag))
@@ -84,9 +92,12 @@ def bench_context(engine: Engine, context: int, streams: int, max_tokens: int, c
                      ms, dec["decode_step_ms_median"], gb, 100 * gb / (ms / 1e3) / copy_gbs if ms else 0.0,
                      fits=streams * (context + max_tokens) <= engine.kv_capacity_tokens,
                      decode_steps=dec["decode_steps"], decode_gc_ms=dec["decode_gc_ms"],
-                     decode_gc_max_ms=dec["decode_gc_max_ms"])
+                     decode_gc_max_ms=dec["decode_gc_max_ms"],
+                     decode_step_max_ms=dec["decode_step_max_ms"],
+                     decode_step_max_at=dec["decode_step_max_at"], alloc_retries=dec["alloc_retries"])
     if graphs is not None:
-        row.gpu_ms_per_step = graphs.time_decode(streams, context + max_tokens // 2)
+        row.gpu_ms_per_step = engine.run_on_loop(
+            lambda: graphs.time_decode(streams, context + max_tokens // 2), timeout=600)
         row.gpu_roofline_pct = 100 * gb / (row.gpu_ms_per_step / 1e3) / copy_gbs
     return row
 
@@ -147,4 +158,9 @@ def format_table(rows: list[ContextRow], engine: Engine, model: str, copy_gbs: f
         if gpu:
             line += f" {r.gpu_ms_per_step:>11.3f} {r.gpu_roofline_pct:>9.1f}"
         lines.append(line)
+    for r in rows:  # a one-off stall: where it was
+        if r.decode_step_max_ms > 3 * r.ms_per_step_median > 0:
+            lines.append(f"stall at {r.context} x {r.streams}: the longest decode step "
+                         f"{r.decode_step_max_ms:.1f} ms (step {r.decode_step_max_at} of "
+                         f"{r.decode_steps}); allocator retries {r.alloc_retries}")
     return "\n".join(lines)

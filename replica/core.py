@@ -221,6 +221,13 @@ class EngineCore:
         nxt = self.scheduler.schedule_ahead(record, continues)
         return None if nxt is None else (nxt, self.runner.launch(nxt, feed=launched))
 
+    def idle(self) -> bool:
+        """Work for a quiet engine (no stream, nothing scheduled ahead): capture one decode
+        graph that steps replayed padded into a larger one (replica/graphs.py). → whether it
+        did anything."""
+        graphs = self.runner.graphs
+        return graphs is not None and not self.has_work and graphs.capture_missed()
+
     def _pool_hidden(self, live: _Live, hidden: torch.Tensor) -> None:
         acc = live.pooled if live.pooled is not None else torch.zeros(hidden.shape[1])
         for row in hidden:  # sequential, in position order: invariant to chunking

@@ -60,7 +60,7 @@ class Engine:
                 if core.has_work:
                     core.step()
                     self._stats = core.stats()
-                elif self._cmds.empty():
+                elif self._cmds.empty() and not core.idle():  # (idle: a graph captured)
                     core.check_integrity()  # cheap, and the pool is quiet now
                     self._stats = core.stats()
         except BaseException as e:  # the loop must never die silently
@@ -221,11 +221,14 @@ class Engine:
         """The replica → router contract (DESIGN.md), as of the last step."""
         return dict(self._stats)
 
-    def run_on_loop(self, fn) -> None:
-        """Run fn() on the loop thread between steps (tests: integrity checks, inspection)."""
-        done = threading.Event()
-        self._submit("call", lambda: (fn(), done.set()))
-        done.wait(timeout=30)
+    def run_on_loop(self, fn, timeout: float = 30.0):
+        """Run fn() on the loop thread between steps (tests: integrity checks, inspection;
+        benchmarks: CUDA work, which must not race the loop's own) → its value, or None when
+        it did not finish within timeout seconds."""
+        done, out = threading.Event(), []
+        self._submit("call", lambda: (out.append(fn()), done.set()))
+        done.wait(timeout=timeout)
+        return out[0] if out else None
 
     def __enter__(self) -> "Engine":
         return self

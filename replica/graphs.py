@@ -1,7 +1,8 @@
 """CUDA graphs of decode-only steps, one per (batch bucket, block-table width bucket).
 
-The runner (replica/runner.py) replays them for steps where every stream decodes one token;
-other steps run eagerly. Padding rows of a bucket write no KV (slot -1) and read none (ctx 0),
+The runner (replica/runner.py) replays them for steps where every stream decodes one token
+(in a larger captured graph while the step's own is not captured: CAPTURE_AFTER); other steps
+run eagerly. Padding rows of a bucket write no KV (slot -1) and read none (ctx 0),
 and every kernel computes a row from that row alone, so a stream's bits are the same in any
 bucket and in the eager path (tests/kernels/test_gpu.py checks it).
 """
@@ -19,6 +20,13 @@ from replica.step_inputs import BlockTables, prefill_range
 
 GRAPH_BATCHES = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
 MIN_GRAPH_BLOCKS = 16  # block-table width buckets: powers of two from here
+# A step whose own graph is not captured yet replays the smallest captured graph that holds it
+# (a larger batch bucket, a wider table bucket: its rows are padding, the same bits) instead of
+# stopping every stream for a capture (~0.1 s at the 30B shape: the tail of a burst, streams
+# finishing a few steps apart, meets a new bucket at each step); its own graph is captured on
+# its CAPTURE_AFTER + 1st step, or earlier while the engine idles (capture_missed). A step that
+# no captured graph holds captures its own at once.
+CAPTURE_AFTER = 8
 
 
 class DecodeGraphs:
@@ -33,6 +41,7 @@ class DecodeGraphs:
         self.fast_prefill = fast_prefill  # then a prompt token past MIN_POSITION runs eagerly
         self.tables = tables or BlockTables()
         self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._misses: dict[tuple[int, int], int] = {}  # uncaptured key → steps run padded
 
     def accepts(self, record: StepRecord) -> bool:
         """Whether a graph runs this step: every chunk decodes one sampled token on the paged
@@ -63,16 +72,43 @@ class DecodeGraphs:
     def captured(self) -> set[tuple[int, int]]:
         return set(self._graphs)
 
+    def graph_for(self, record: StepRecord) -> tuple[tuple[int, int], "_Graph"]:
+        """(key, graph) the step replays: its own graph, or while that is not captured (and has
+        been missed at most CAPTURE_AFTER times) the smallest captured one holding it;
+        captured now when there is none."""
+        key = self.key(record)
+        g = self._graphs.get(key)
+        if g is not None:
+            return key, g
+        misses = self._misses.get(key, 0) + 1
+        if misses <= CAPTURE_AFTER:
+            holders = [k for k in self._graphs if k[0] >= key[0] and k[1] >= key[1]]
+            if holders:
+                self._misses[key] = misses
+                bigger = min(holders)  # the fewest rows first (they cost; width hardly)
+                return bigger, self._graphs[bigger]
+        self._misses.pop(key, None)
+        g = self._graphs[key] = _Graph(self.model, self.kv, *key, self.device)
+        return key, g
+
+    def capture_missed(self) -> bool:
+        """Capture the graph that steps replayed padded into another most often (the engine
+        calls this when it has nothing to do); False when there was none."""
+        if not self._misses:
+            return False
+        key = max(self._misses, key=self._misses.__getitem__)
+        del self._misses[key]
+        if key not in self._graphs:
+            self._graphs[key] = _Graph(self.model, self.kv, *key, self.device)
+        return True
+
     def launch(self, record: StepRecord, feed_ids: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the step's graph (not waited for) → (logits [bucket, vocab] fp32, argmax
         [bucket] int64) on the device: the graph's outputs, whose first len(record.chunks) rows
         are the step's. feed_ids [R] int64 on the device: the picks of the step before, for a
         step scheduled ahead (each chunk's token is feed_ids[chunk.feed_row])."""
-        key = self.key(record)
-        g = self._graphs.get(key)
-        if g is None:
-            g = self._graphs[key] = _Graph(self.model, self.kv, *key, self.device)
+        _, g = self.graph_for(record)
         g.load(record, self.block_size, self.tables, feed_ids)
         g.graph.replay()
         return g.logits, g.argmax
