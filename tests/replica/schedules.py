@@ -129,6 +129,27 @@ def run_schedule(core: EngineCore, specs: list[StreamSpec], check_kv: bool = Tru
     return out, {i: log.get(f"r{i}", []) for i in range(len(specs))}
 
 
+def ask(text: str) -> list[dict]:
+    """A one-message chat."""
+    return [{"role": "user", "content": text}]
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, **kw)
+
+
+def mid_stream_stops(text_events: list[tuple], id_events: list[tuple]) -> tuple[str, int, int]:
+    """From two streams' events (tuples of (text, token ids, ...)) of a greedy probe run: a stop
+    string from the middle of the first's text, and a token id of the second that first occurs
+    at index >= 3 → (stop string, stop id, that index)."""
+    text = "".join(e[0] for e in text_events)
+    ids = [t for e in id_events for t in e[1]]
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    at = next(i for i in range(3, len(ids)) if ids[i] not in ids[:i])  # its first time
+    assert stop.strip(), text
+    return stop, ids[at], at
+
+
 def small_core(loaded, **kw) -> EngineCore:
     cfg = dict(model=loaded.config.name, block_size=4, num_kv_blocks=64, max_batch_tokens=16,
                max_running_streams=16, poison_freed_kv=True)

@@ -13,6 +13,7 @@ from replica.models.registry import resolve_model
 from replica.request import Request
 from replica.sampling import SamplingParams
 from replica.config import EngineConfig
+from tests.replica.schedules import ask, greedy, mid_stream_stops
 
 pytestmark = pytest.mark.slow
 
@@ -49,27 +50,15 @@ def run(core: EngineCore, requests: list[Request], cancel: dict[str, int] | None
     return events
 
 
-def ask(text: str) -> list[dict]:
-    return [{"role": "user", "content": text}]
-
-
-def greedy(n: int, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, **kw)
-
-
 def test_events_are_those_of_the_plain_order(loaded):
     plain = core_of(loaded, False)
     # what the greedy streams say, to pick stop strings and stop ids that occur mid-stream
     probe = run(plain, [Request(messages=ask(p), params=greedy(16), request_id=f"p{i}")
                         for i, p in enumerate(PROMPTS)])
-    text0 = "".join(e[0] for e in probe["p0"])
-    ids1 = [t for e in probe["p1"] for t in e[1]]
-    stop = text0[len(text0) // 2: len(text0) // 2 + 3]
-    at = next(i for i in range(3, len(ids1)) if ids1[i] not in ids1[:i])  # its first time
-    assert stop.strip(), text0
+    stop, stop_id, at = mid_stream_stops(probe["p0"], probe["p1"])
     requests = [
         Request(messages=ask(PROMPTS[0]), params=greedy(16, stop=(stop,)), request_id="stop-string"),
-        Request(messages=ask(PROMPTS[1]), params=greedy(16, stop_token_ids=(ids1[at],)), request_id="stop-id"),
+        Request(messages=ask(PROMPTS[1]), params=greedy(16, stop_token_ids=(stop_id,)), request_id="stop-id"),
         Request(messages=ask(PROMPTS[2]), params=SamplingParams(max_tokens=20, temperature=0.8, seed=7),
                 request_id="sampled"),
         Request(messages=ask(PROMPTS[3]), params=greedy(9), request_id="length"),
