@@ -163,23 +163,20 @@ class Scheduler:
         if (admits or not live or record.preempted or record.exhausted
                 or len(live) != len(self.running) or len(live) > self.max_batch_tokens):
             return None
-        rows: list[tuple[int, Stream]] = []
-        need = 0
+        rows: list[tuple[int, Stream, int]] = []  # (row in record, stream, blocks it needs)
         for i, c in live:
             s = c.stream
             if c.end - c.start != 1 or c.end != s.num_tokens or s.embed:
                 return None
             if continues(s):
-                rows.append((i, s))
-                need += max(0, -(-(c.end + 1) // self.block_size) - len(s.block_table))
-        if not rows or need > self.pool.num_free:
+                rows.append((i, s, max(0, -(-(c.end + 1) // self.block_size) - len(s.block_table))))
+        if not rows or sum(n for _, _, n in rows) > self.pool.num_free:
             return None
         out = []
-        for i, s in rows:
+        for i, s, n in rows:
+            if n:
+                s.block_table = s.block_table + self.pool.allocate(n)
             end = chunks[i].end
-            grow = -(-(end + 1) // self.block_size) - len(s.block_table)
-            if grow > 0:
-                s.block_table = s.block_table + self.pool.allocate(grow)
             out.append(Chunk(s, end, end + 1, feed_row=i))
         return StepRecord(tuple(out), ())
 
