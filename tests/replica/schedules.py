@@ -150,6 +150,30 @@ def mid_stream_stops(text_events: list[tuple], id_events: list[tuple]) -> tuple[
     return stop, ids[at], at
 
 
+def run_events(core: EngineCore, requests: list[Request], cancel: dict[str, int] | None = None,
+        arrive: dict[str, int] | None = None) -> dict[str, list[tuple]]:
+    """Step until done → request id → its events as tuples. cancel: id → the step to abort at;
+    arrive: id → the step it is added at (default 0)."""
+    events: dict[str, list[tuple]] = {r.request_id: [] for r in requests}
+    arrive = arrive or {}
+    step = 0
+    left = list(requests)
+    while left or core.has_work:
+        for r in [r for r in left if arrive.get(r.request_id, 0) <= step]:
+            left.remove(r)
+            core.add(core.prepare(r), lambda ev: events[ev.request_id].append(
+                (ev.text, ev.token_ids, ev.finished, ev.finish_reason, ev.completion_tokens,
+                 ev.cached_tokens)))
+        for rid, at in (cancel or {}).items():
+            if at == step:
+                core.abort(rid)
+        core.step()
+        core.check_integrity()
+        step += 1
+        assert step < 600
+    return events
+
+
 def small_core(loaded, **kw) -> EngineCore:
     cfg = dict(model=loaded.config.name, block_size=4, num_kv_blocks=64, max_batch_tokens=16,
                max_running_streams=16, poison_freed_kv=True)

@@ -19,7 +19,7 @@ from replica.request import Request
 from replica.sampling import SamplingParams
 from replica.scheduler import Chunk, Scheduler, StepRecord
 from replica.stream import Stream
-from tests.replica.schedules import ask, greedy, mid_stream_stops
+from tests.replica.schedules import ask, greedy, mid_stream_stops, run_events
 
 pytestmark = pytest.mark.slow
 
@@ -46,33 +46,9 @@ def core_of(loaded, lookahead: bool, blocks: int = 256, overlap: bool = True) ->
     return core
 
 
-def run(core: EngineCore, requests: list[Request], cancel: dict[str, int] | None = None,
-        arrive: dict[str, int] | None = None) -> dict[str, list[tuple]]:
-    """Step until done → request id → its events as tuples. cancel: id → the step to abort at;
-    arrive: id → the step it is added at (default 0)."""
-    events: dict[str, list[tuple]] = {r.request_id: [] for r in requests}
-    arrive = arrive or {}
-    step = 0
-    left = list(requests)
-    while left or core.has_work:
-        for r in [r for r in left if arrive.get(r.request_id, 0) <= step]:
-            left.remove(r)
-            core.add(core.prepare(r), lambda ev: events[ev.request_id].append(
-                (ev.text, ev.token_ids, ev.finished, ev.finish_reason, ev.completion_tokens,
-                 ev.cached_tokens)))
-        for rid, at in (cancel or {}).items():
-            if at == step:
-                core.abort(rid)
-        core.step()
-        core.check_integrity()
-        step += 1
-        assert step < 600
-    return events
-
-
 def test_events_are_those_of_the_plain_order(loaded):
     plain = core_of(loaded, False)
-    probe = run(plain, [Request(messages=ask(p), params=greedy(16), request_id=f"p{i}")
+    probe = run_events(plain, [Request(messages=ask(p), params=greedy(16), request_id=f"p{i}")
                         for i, p in enumerate(PROMPTS[:2])])
     stop, stop_id, at = mid_stream_stops(probe["p0"], probe["p1"])
     requests = [
@@ -87,9 +63,9 @@ def test_events_are_those_of_the_plain_order(loaded):
     cancel = {"cancelled": 9}
     arrive = {"late": 12, "sampled": 30}  # "sampled" decodes after the others are done or nearly
     for overlap in (True, False):
-        want = run(core_of(loaded, False, overlap=overlap), requests, cancel, arrive)
+        want = run_events(core_of(loaded, False, overlap=overlap), requests, cancel, arrive)
         ahead = core_of(loaded, True, overlap=overlap)
-        got = run(ahead, requests, cancel, arrive)
+        got = run_events(ahead, requests, cancel, arrive)
         assert got == want
         assert ahead.ahead_steps >= 10
         assert ahead.pool.num_free == ahead.pool.num_blocks  # every block back (no sessions)
@@ -106,14 +82,14 @@ def test_sessions_and_a_small_pool_give_the_plain_tokens(loaded):
     def turns(core: EngineCore) -> dict[str, list[tuple]]:
         first = [Request(messages=ask(p), params=greedy(20), request_id=f"t1-{i}", session_id=f"s{i}")
                  for i, p in enumerate(PROMPTS[:3])]
-        out = run(core, first)
+        out = run_events(core, first)
         second = []
         for i, p in enumerate(PROMPTS[:3]):
             reply = "".join(e[0] for e in out[f"t1-{i}"])
             msgs = ask(p) + [{"role": "assistant", "content": reply}, {"role": "user", "content": "More."}]
             second.append(Request(messages=msgs, params=greedy(20), request_id=f"t2-{i}",
                                   session_id=f"s{i}"))
-        out.update(run(core, second))
+        out.update(run_events(core, second))
         return out
 
     plain, ahead = core_of(loaded, False, blocks=14), core_of(loaded, True, blocks=14)

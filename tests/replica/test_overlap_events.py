@@ -13,7 +13,7 @@ from replica.models.registry import resolve_model
 from replica.request import Request
 from replica.sampling import SamplingParams
 from replica.config import EngineConfig
-from tests.replica.schedules import ask, greedy, mid_stream_stops
+from tests.replica.schedules import ask, greedy, mid_stream_stops, run_events
 
 pytestmark = pytest.mark.slow
 
@@ -32,21 +32,9 @@ def core_of(loaded, overlap: bool) -> EngineCore:
 
 
 def run(core: EngineCore, requests: list[Request], cancel: dict[str, int] | None = None):
-    """Step until done → request id → its events as tuples; cancel: id → the step to abort at."""
-    events: dict[str, list[tuple]] = {r.request_id: [] for r in requests}
-    for r in requests:
-        core.add(core.prepare(r), lambda ev: events[ev.request_id].append(
-            (ev.text, ev.token_ids, ev.finished, ev.finish_reason, ev.completion_tokens)))
-    step = 0
-    while core.has_work:
-        for rid, at in (cancel or {}).items():
-            if at == step:
-                core.abort(rid)
-        core.step()
-        core.check_integrity()
-        step += 1
-        assert step < 500
-    assert core.pool.num_free == core.pool.num_blocks  # every block back (no sessions kept)
+    """run_events, then every block back (no sessions kept)."""
+    events = run_events(core, requests, cancel)
+    assert core.pool.num_free == core.pool.num_blocks
     return events
 
 
