@@ -19,8 +19,9 @@ from tqdm import tqdm
 
 from kernels.linear import Linear, from_gguf
 from replica.errors import ModelFormatError
+from replica.models.gguf_file import GGUFError, GGUFFile, read_gguf
 from replica.models.spec import Expert, LayerWeights, LoadedModel, ModelConfig, ModelWeights
-from replica.models.tokenizer import Tokenizer, gguf_field_value
+from replica.models.tokenizer import Tokenizer
 
 GGUF_ARCHS = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}  # general.architecture → ours
 LINEAR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
@@ -34,7 +35,7 @@ def load_gguf(path: str | Path) -> LoadedModel:
     meta = _Meta(reader.fields, path)
     arch = _arch(meta)
     try:
-        tokenizer = Tokenizer.from_gguf(reader)
+        tokenizer = Tokenizer.from_gguf(reader.fields)
     except ModelFormatError as e:
         raise ModelFormatError(f"{path}: {e.message}") from e
     except Exception as e:  # undecodable strings, merges naming unknown tokens (tokenizers' errors)
@@ -46,17 +47,15 @@ def load_gguf(path: str | Path) -> LoadedModel:
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer)
 
 
-def _open(path: Path) -> Any:
-    import gguf
-
+def _open(path: Path) -> GGUFFile:
     if not path.is_file():
         raise ModelFormatError(f"{path}: no such GGUF file")
     try:
-        reader = gguf.GGUFReader(path, "r")
-    except Exception as e:  # numpy/struct errors from a short or garbled file
+        reader = read_gguf(path)
+    except (GGUFError, OSError) as e:  # a short, garbled or unreadable file
         raise ModelFormatError(f"{path}: not a valid GGUF file, truncated or corrupt "
                                f"({path.stat().st_size} bytes; {type(e).__name__}: {e})") from e
-    for t in reader.tensors:  # the reader slices a memmap: a short file gives short tensors
+    for t in reader.tensors:  # tensors slice a memmap: a short file gives short tensors
         if t.data.nbytes != t.n_bytes:
             raise ModelFormatError(f"{path}: tensor {t.name} data is cut short "
                                    f"({t.data.nbytes} of {t.n_bytes} bytes): truncated file")
@@ -71,13 +70,7 @@ class _Meta:
     path: Path
 
     def get(self, key: str, default: Any = None) -> Any:
-        field = self.fields.get(key)
-        if field is None:
-            return default
-        try:
-            return gguf_field_value(field)
-        except (UnicodeDecodeError, IndexError, ValueError) as e:
-            raise ModelFormatError(f"{self.path}: metadata {key} is unreadable ({e})") from e
+        return self.fields.get(key, default)
 
     def require(self, key: str, kind: type) -> Any:
         value = self.get(key)

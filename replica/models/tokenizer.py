@@ -50,12 +50,12 @@ class Tokenizer:
 
     # ---- constructors -------------------------------------------------------------------
     @classmethod
-    def from_gguf(cls, reader_or_fields: Any) -> "Tokenizer":
-        """From a gguf.GGUFReader (or its `.fields` mapping): a byte-level BPE ("gpt2" model)."""
-        fields = getattr(reader_or_fields, "fields", reader_or_fields)
+    def from_gguf(cls, fields: Mapping[str, Any]) -> "Tokenizer":
+        """From GGUF metadata as plain values (gguf_file.read_gguf(path).fields): a byte-level BPE
+        ("gpt2" model)."""
 
         def meta(key: str, default: Any = None) -> Any:
-            return gguf_field_value(fields[key]) if key in fields else default
+            return fields.get(key, default)
 
         model = meta("tokenizer.ggml.model")
         if model != "gpt2":
@@ -141,22 +141,6 @@ class Tokenizer:
         except jinja2.TemplateError as e:  # raise_exception() in the template: the request is wrong
             raise InvalidRequestError(f"chat template rejected the conversation: {e}",
                                       param="messages") from e
-
-
-def gguf_field_value(field: Any) -> Any:
-    """Python value of a gguf.ReaderField: int/float/bool/str, or a list of them for arrays."""
-    from gguf import GGUFValueType
-
-    if not field.types:
-        return None
-    main = field.types[0]
-    if main == GGUFValueType.ARRAY:
-        if field.types[-1] == GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
-        return [v for i in field.data for v in field.parts[i].tolist()]
-    if main == GGUFValueType.STRING:
-        return bytes(field.parts[-1]).decode("utf-8")
-    return field.parts[-1].tolist()[0]
 
 
 # ---- helpers ----------------------------------------------------------------------------------

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import functools
 
-import gguf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from replica.models.gguf_file import read_gguf
 from replica.models.registry import embedded_gguf_path
 from replica.models.synthetic import ByteTokenizer
 from replica.models.tokenizer import Tokenizer
@@ -58,7 +58,7 @@ class FullDecode:
 
 @functools.lru_cache(maxsize=1)
 def smollm2() -> Tokenizer:
-    return Tokenizer.from_gguf(gguf.GGUFReader(embedded_gguf_path()))
+    return Tokenizer.from_gguf(read_gguf(embedded_gguf_path()).fields)
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,6 +9,7 @@ import torch
 
 from kernels.linear import from_gguf
 from replica.errors import ModelFormatError, UnknownModelError
+from replica.models.gguf_file import read_gguf
 from replica.models.gguf_loader import load_gguf
 from replica.models.registry import embedded_gguf_path, resolve_model
 
@@ -94,7 +95,7 @@ def test_norm_equals_transformers(model, hf_state, layer, name):
 def test_q_k_file_order_differs_and_is_undone(model, hf_state, name, n_head):
     # Guard against a vacuous pass: the file's rows really are in llama.cpp's permuted order.
     state, _ = hf_state
-    raw = next(t for t in gguf.GGUFReader(embedded_gguf_path()).tensors if t.name == f"blk.0.{name}.weight")
+    raw = next(t for t in read_gguf(embedded_gguf_path()).tensors if t.name == f"blk.0.{name}.weight")
     in_file = from_gguf(raw.tensor_type.name, raw.data, int(raw.shape[1]), int(raw.shape[0])).dequantize()
     ref = state[f"model.layers.0.self_attn.{name[-1]}_proj.weight"]
     assert not torch.equal(in_file, ref)

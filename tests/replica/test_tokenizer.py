@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import unicodedata
 
-import gguf
 import pytest
 
 from replica.errors import InvalidRequestError
+from replica.models.gguf_file import read_gguf
 from replica.models.registry import embedded_gguf_path
 from replica.models.tokenizer import Tokenizer
 
@@ -65,7 +65,7 @@ def gguf_file():
 
 @pytest.fixture(scope="module")
 def ours(gguf_file) -> Tokenizer:
-    return Tokenizer.from_gguf(gguf.GGUFReader(gguf_file))
+    return Tokenizer.from_gguf(read_gguf(gguf_file).fields)
 
 
 @pytest.fixture(scope="module")
