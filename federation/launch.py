@@ -11,6 +11,13 @@ import time
 from federation.config import FederationConfig
 
 
+# Serve gives its HTTP proxy 5 s to report ready and 10 s per health check, three misses in a row
+# before it kills and restarts it. A busy machine (replicas loading, two cores) misses that while
+# nothing is wrong, and a killed proxy drops every open stream; ours wait longer.
+PROXY_PATIENCE = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "20",
+                  "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
+
+
 def start(cfg: FederationConfig, host: str = "127.0.0.1", port: int = 8000,
           num_cpus: int | None = None, proxy_location: str = "EveryNode",
           metrics_export_port: int | None = None) -> str:
@@ -24,6 +31,8 @@ def start(cfg: FederationConfig, host: str = "127.0.0.1", port: int = 8000,
     # Ray on loopback, set (not read) for the processes ray.init starts, which inherit this
     # environment; its workers get the same through runtime_env below
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    for key, seconds in PROXY_PATIENCE.items():  # read by Serve's controller, which ray.init starts
+        os.environ[key] = seconds
     import ray
     from ray import serve
 
@@ -38,7 +47,8 @@ def start(cfg: FederationConfig, host: str = "127.0.0.1", port: int = 8000,
         # (`ray start`, a simulated multi-node test) is never joined by accident
         ray.init(address="local", num_cpus=cpus, include_dashboard=False,
                  _node_ip_address="127.0.0.1", **metrics,
-                 runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})
+                 runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+                                           **PROXY_PATIENCE}})
     serve.start(http_options={"host": host, "port": port}, proxy_location=proxy_location)
     serve.run(build_app(cfg), name="fedserve", route_prefix="/", blocking=False)
     return f"http://{host}:{port}"

@@ -19,8 +19,9 @@ def federation(metrics_export_port: int | None = None, **overrides):
 
     cfg = FederationConfig(**{"num_replicas": 2, "one_replica_per_node": False, **overrides})
     port = free_port()
-    url = start(cfg, "127.0.0.1", port, num_cpus=4, metrics_export_port=metrics_export_port)
-    try:
+    try:  # a start that fails half-way (Serve's proxy not ready in time) still shuts Ray down:
+        # the next test module's ray.init would otherwise find this one running
+        url = start(cfg, "127.0.0.1", port, num_cpus=4, metrics_export_port=metrics_export_port)
         wait_ready(url)
         yield url, cfg
     finally:
