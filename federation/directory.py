@@ -8,6 +8,7 @@ them (`adopt`), and a router that cannot reach it places by those reports and by
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections import Counter
 
@@ -19,45 +20,53 @@ HEAD_RESOURCE = "node:__internal_head__"
 
 
 class SessionDirectory:
-    """Plain class (tested directly); `directory_actor()` wraps it as a Ray actor."""
+    """Plain class (tested directly); `directory_actor()` wraps it as a Ray actor.
+
+    Each placement carries when it was made (unix seconds): a refill hears the same session from
+    several sources (routers' recent placements, every replica that retains its KV, which after
+    a move is the old replica too), and the newest of them is where the session's latest turn
+    ran. The clocks are the machines' own; turns of one session are seconds apart, far more than
+    the skew of synchronized clocks."""
 
     def __init__(self) -> None:
-        self._where: dict[str, str] = {}
+        self._where: dict[str, tuple[str, float]] = {}  # session → (replica, when)
         self.incarnation = uuid.uuid4().hex  # a restarted directory has a new one, and no state
 
     def lookup(self, session: str) -> tuple[str | None, str]:
         """(the session's replica or None, this directory's incarnation)."""
-        return self._where.get(session), self.incarnation
+        return self._where.get(session, (None, 0.0))[0], self.incarnation
 
     def place(self, session: str, replica: str, expect: str | None = None) -> str:
         """Compare-and-set: place `session` on `replica` unless another router placed it
         elsewhere first (its current owner differs from `expect`); returns the owner."""
-        current = self._where.get(session)
+        current = self._where.get(session, (None, 0.0))[0]
         if current is not None and current != expect:
             return current
-        self._where[session] = replica
+        self._where[session] = (replica, time.time())
         return replica
 
-    def adopt(self, resident: dict[str, list[str]]) -> int:
-        """Refill from replicas' reports {replica: sessions it retains}; a placement already
-        known wins. Returns how many sessions were added."""
-        added = 0
-        for replica in sorted(resident):
-            for session in resident[replica]:
-                if session not in self._where:
-                    self._where[session] = replica
-                    added += 1
-        return added
+    def adopt(self, placements: list[tuple[str, str, float]]) -> int:
+        """Refill from (session, replica, when) reports: routers' recent placements and the
+        sessions each replica retains, with when it retained them. Per session the newest wins,
+        a placement made since the restart included. Returns how many sessions it placed anew
+        or moved."""
+        before: dict[str, str | None] = {}
+        for session, replica, when in placements:
+            known = self._where.get(session)
+            before.setdefault(session, None if known is None else known[0])
+            if known is None or when > known[1]:
+                self._where[session] = (replica, when)
+        return sum(self._where[s][0] != owner for s, owner in before.items())
 
     def drop_replica(self, replica: str) -> list[str]:
         """Forget a dead replica; returns the sessions that lost their home."""
-        gone = [s for s, r in self._where.items() if r == replica]
+        gone = [s for s, (r, _) in self._where.items() if r == replica]
         for s in gone:
             del self._where[s]
         return gone
 
     def counts(self) -> dict[str, int]:
-        return dict(Counter(self._where.values()))
+        return dict(Counter(r for r, _ in self._where.values()))
 
     def size(self) -> int:
         return len(self._where)

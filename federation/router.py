@@ -39,6 +39,12 @@ def _routing(request: PendingRequest | None) -> tuple[str | None, tuple[str, ...
     return call_routing(request.args[0])
 
 
+def _retained(replica: RunningReplica) -> dict[str, float]:
+    """The sessions a replica reports retaining → when their last turn finished there."""
+    stats = replica.routing_stats or {}
+    return stats.get("resident_retained_at") or dict.fromkeys(stats.get("resident_sessions", ()), 0.0)
+
+
 def _ranks(first: RunningReplica, rest: list[RunningReplica]) -> list[list[RunningReplica]]:
     """Serve's ranking: the chosen replica first, then the others as fallbacks."""
     return [[first], rest] if rest else [[first]]
@@ -69,7 +75,8 @@ class StickyRouter(RequestRouter):
         # fallback rank (the chosen replica's probe failed), and the directory must follow
         self._placed: dict[str, tuple[str, str]] = {}
         self._rounds: Counter[str] = Counter()  # internal request id → choose_replicas calls
-        self._recent: OrderedDict[str, str] = OrderedDict()  # session → replica it last ran on
+        # session → (replica it last ran on, when it was routed there, unix seconds)
+        self._recent: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._directory_down_until = 0.0
 
     async def _ask(self, method, *args):
@@ -89,29 +96,28 @@ class StickyRouter(RequestRouter):
         router's own recent placements); refills a directory seen restarted."""
         answer = await self._ask(self._directory.lookup, session)
         if answer is None:
-            return self._recent.get(session)
+            return self._recent.get(session, (None, 0.0))[0]
         owner, incarnation = answer
         if incarnation != self._incarnation:
             self._incarnation = incarnation
             await self._refill(candidates)
             answer = await self._ask(self._directory.lookup, session)
-            owner = answer[0] if answer is not None else self._recent.get(session)
+            owner = answer[0] if answer is not None else self._recent.get(session, (None, 0.0))[0]
         return owner
 
     async def _refill(self, candidates: list[RunningReplica]) -> None:
-        """A (re)started directory learns this router's recent placements first (the freshest
-        truth it has), then every session a replica reports it retains."""
-        mine: dict[str, list[str]] = {}
-        for session, rid in self._recent.items():
-            mine.setdefault(rid, []).append(session)
-        resident = {r.replica_id.unique_id: list((r.routing_stats or {}).get("resident_sessions", ()))
-                    for r in candidates}
-        for known in (mine, resident):
-            if any(known.values()):
-                await self._ask(self._directory.adopt, known)
+        """A (re)started directory learns this router's recent placements and every session a
+        replica reports it retains, each with its time: a session that moved is retained by
+        its old replica too, and other routers remember it there; the newest report wins."""
+        known = [(session, rid, when) for session, (rid, when) in self._recent.items()]
+        for r in candidates:
+            known += [(session, r.replica_id.unique_id, when)
+                      for session, when in _retained(r).items()]
+        if known:
+            await self._ask(self._directory.adopt, known)
 
     def _remember(self, session: str, rid: str) -> None:
-        self._recent[session] = rid
+        self._recent[session] = (rid, time.time())
         self._recent.move_to_end(session)
         if len(self._recent) > RECENT_PLACEMENTS:
             self._recent.popitem(last=False)
@@ -151,7 +157,9 @@ class StickyRouter(RequestRouter):
         if owner in by_id:
             chosen, reason = by_id[owner], "sticky"
         else:
-            holders = [r for r in ranked if session in (r.routing_stats or {}).get("resident_sessions", ())]
+            # replicas retaining the session's KV, its latest turn's first (then by load)
+            holders = sorted((r for r in ranked if session in _retained(r)),
+                             key=lambda r: -_retained(r)[session])
             chosen = holders[0] if holders else ranked[0]
             reason = "re-pin" if owner is not None else ("sticky" if holders else "new")
             self._reserve(pending_request, chosen.replica_id.unique_id)  # no await since ranking
@@ -194,7 +202,7 @@ class StickyRouter(RequestRouter):
         super().on_replica_actor_died(replica_id)
         self._inflight.pop(replica_id.unique_id, None)
         self._reserved.pop(replica_id.unique_id, None)
-        for session in [s for s, r in self._recent.items() if r == replica_id.unique_id]:
+        for session in [s for s, (r, _) in self._recent.items() if r == replica_id.unique_id]:
             del self._recent[session]
         self._directory.drop_replica.remote(replica_id.unique_id)
 

@@ -334,6 +334,7 @@ class EngineCore:
             "free_kv_blocks": self.pool.num_free,
             "total_kv_blocks": self.pool.num_blocks,
             "resident_sessions": self.sessions.keys(),
+            "resident_retained_at": self.sessions.retained_at(),
             "max_running_streams": self.config.max_running_streams,
             "kv_capacity_tokens": self.kv_capacity_tokens,
         }

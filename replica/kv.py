@@ -7,6 +7,7 @@ number of owners holding it, which check_integrity() verifies.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
@@ -83,6 +84,7 @@ class BlockPool:
 class RetainedSession:
     token_ids: list[int]  # tokens whose KV is in `blocks` (position i at blocks[i // bs])
     blocks: list[int]
+    retained_at: float  # unix seconds: the federation's directory keeps the newest of its homes
 
 
 class SessionCache:
@@ -99,6 +101,10 @@ class SessionCache:
     def keys(self) -> list[str]:
         return list(self._sessions)
 
+    def retained_at(self) -> dict[str, float]:
+        """Each retained session → when its last turn finished here (unix seconds)."""
+        return {k: s.retained_at for k, s in self._sessions.items()}
+
     @property
     def num_blocks(self) -> int:
         return sum(len(s.blocks) for s in self._sessions.values())
@@ -111,7 +117,7 @@ class SessionCache:
         self.drop(key)
         needed = -(-len(token_ids) // self.block_size)
         self.pool.free(blocks[needed:])  # blocks past the computed tokens hold nothing useful
-        self._sessions[key] = RetainedSession(list(token_ids), blocks[:needed])
+        self._sessions[key] = RetainedSession(list(token_ids), blocks[:needed], time.time())
 
     def claim(self, key: str, prompt_ids: list[int]) -> tuple[list[int], int]:
         """Hand the longest exact token prefix of `prompt_ids` to a new stream.

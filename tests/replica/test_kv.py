@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -117,3 +118,17 @@ def test_randomized_pool_never_loses_a_block():
         owners = dict(streams)
         owners.update(cache.owners())
         pool.check_integrity(owners)
+
+
+def test_retained_sessions_carry_when_their_turn_finished():
+    pool = BlockPool(6)
+    cache = SessionCache(pool, block_size=2)
+    before = time.time()
+    cache.retain("a", [1, 2, 3], pool.allocate(2))
+    cache.retain("b", [1], pool.allocate(1))
+    first = cache.retained_at()
+    assert list(first) == ["a", "b"] and before <= first["a"] <= first["b"] <= time.time()
+    blocks, _ = cache.claim("a", [1, 2, 3, 4])  # a's next turn runs, then is retained again
+    cache.retain("a", [1, 2, 3, 4, 5], blocks + pool.allocate(1))
+    again = cache.retained_at()
+    assert list(again) == ["b", "a"] and again["a"] >= first["b"] and again["b"] == first["b"]
