@@ -24,11 +24,12 @@ log = logging.getLogger("fedserve.router")
 
 DIRECTORY_TIMEOUT_S = 2.0  # one directory call; beyond it the router places without it
 DIRECTORY_BACKOFF_S = 2.0  # after a failed call, how long the router does not ask again
-# a session's replica is the only rank offered this many times (Serve asks again after each
-# failed round, backing off): a queue-length probe slow on a busy machine must not move a
-# session off its KV; after that the other replicas are fallbacks, so a replica that stopped
-# answering cannot hold a request until its death is noticed
-STICKY_ROUNDS = 5
+# a session's replica is the only rank offered for this long after a request's first routing
+# round (Serve asks again after each failed round, backing off, and its queue-length probe waits
+# 0.1 s, then up to 1 s): a probe slow on a busy machine must not move a session off its KV;
+# after that the other replicas are fallbacks, so a replica that stopped answering cannot hold a
+# request until its death is noticed
+STICKY_WAIT_S = 5.0
 RECENT_PLACEMENTS = 100_000  # sessions this router remembers placing (its fallback directory)
 
 
@@ -74,7 +75,7 @@ class StickyRouter(RequestRouter):
         # internal request id → (session, replica chosen): Serve may still send a request to a
         # fallback rank (the chosen replica's probe failed), and the directory must follow
         self._placed: dict[str, tuple[str, str]] = {}
-        self._rounds: Counter[str] = Counter()  # internal request id → choose_replicas calls
+        self._first_round: dict[str, float] = {}  # internal request id → its first round (monotonic)
         # session → (replica it last ran on, when it was routed there, unix seconds)
         self._recent: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._directory_down_until = 0.0
@@ -172,8 +173,8 @@ class StickyRouter(RequestRouter):
         if pending_request is not None:
             key = pending_request.metadata.internal_request_id
             self._placed[key] = (session, chosen.replica_id.unique_id)
-            self._rounds[key] += 1
-            if reason == "sticky" and self._rounds[key] <= STICKY_ROUNDS:
+            first = self._first_round.setdefault(key, time.monotonic())
+            if reason == "sticky" and time.monotonic() - first < STICKY_WAIT_S:
                 rest = []  # wait for the replica that holds the session's KV
         return _ranks(chosen, rest)
 
@@ -183,7 +184,7 @@ class StickyRouter(RequestRouter):
         self._reserve(pending_request, None)  # now counted as in flight
         self._inflight[rid] += 1
         self._routed[pending_request.metadata.internal_request_id] = rid
-        self._rounds.pop(pending_request.metadata.internal_request_id, None)
+        self._first_round.pop(pending_request.metadata.internal_request_id, None)
         placed = self._placed.pop(pending_request.metadata.internal_request_id, None)
         if placed is not None:
             session, meant = placed
@@ -194,7 +195,7 @@ class StickyRouter(RequestRouter):
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         rid = self._routed.pop(internal_request_id, replica_id.unique_id)
         self._placed.pop(internal_request_id, None)
-        self._rounds.pop(internal_request_id, None)
+        self._first_round.pop(internal_request_id, None)
         if self._inflight[rid] > 0:
             self._inflight[rid] -= 1
 
