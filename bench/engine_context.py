@@ -66,13 +66,14 @@ def requests(prompts: list[tuple[int, ...]], max_tokens: int, tag: str | None = 
 
 
 def bench_context(engine: Engine, context: int, streams: int, max_tokens: int, copy_gbs: float,
-                  ) -> ContextRow:
+                  warm_buckets: bool = False) -> ContextRow:
     prompts = prompts_of(context, streams, engine.model_config.vocab_size)
     graphs = engine.core.runner.graphs
     bs = engine.config.block_size
-    if graphs is not None:  # capture before timing the graphs this run's decode steps use:
-        # every batch bucket up to `streams` (the streams join, and finish, a few steps apart:
-        # the tail steps run smaller buckets, and a first capture stalls its step ~0.1 s), on
+    if graphs is not None and warm_buckets:  # bench-only (--warm-buckets): capture every batch
+        # bucket up to `streams` before timing (the streams join, and finish, a few steps apart:
+        # the tail steps run smaller buckets). Off, the engine's own policy runs, as a user gets
+        # it: a missed bucket replays a larger captured graph, then is captured when idle. On
         # the engine's thread (CUDA work must not race the loop's)
         widths = {-(-(ctx + 1) // bs) for ctx in range(context, context + max_tokens + 1, bs)}
         buckets = sorted({graphs.key_for(n)[0] for n in range(1, streams + 1)})
@@ -103,7 +104,8 @@ def bench_context(engine: Engine, context: int, streams: int, max_tokens: int, c
 
 
 def run(model: str, contexts: list[int], streams: list[int], max_tokens: int,
-        json_path: str | None, engine_kwargs: dict | None = None) -> list[ContextRow]:
+        json_path: str | None, engine_kwargs: dict | None = None,
+        warm_buckets: bool = False) -> list[ContextRow]:
     from replica.config import EngineConfig
 
     kwargs = dict(engine_kwargs or {})
@@ -117,7 +119,8 @@ def run(model: str, contexts: list[int], streams: list[int], max_tokens: int,
         copy_gbs = copy_bandwidth(device)
         measure(engine, requests(prompts_of(min(contexts), 1, engine.model_config.vocab_size,
                                             seed=1), 4))
-        rows = [bench_context(engine, c, n, max_tokens, copy_gbs) for c in contexts for n in streams]
+        rows = [bench_context(engine, c, n, max_tokens, copy_gbs, warm_buckets)
+                for c in contexts for n in streams]
     finally:
         engine.shutdown()
     print(format_table(rows, engine, model, copy_gbs, load_s))
@@ -126,6 +129,7 @@ def run(model: str, contexts: list[int], streams: list[int], max_tokens: int,
             json.dump({"model": model, "synthetic": engine.model_config.synthetic,
                        "device": device, "max_tokens": max_tokens, "copy_gb_per_s": copy_gbs,
                        "load_s": load_s, "kv_capacity_tokens": engine.kv_capacity_tokens,
+                       "warm_buckets": warm_buckets,
                        "kv_dtype": str(engine.config.kv_torch_dtype).removeprefix("torch."),
                        "rows": [asdict(r) for r in rows]}, f, indent=2)
     return rows

@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--device", default="cpu")
     be.add_argument("--profile", action="store_true",
                     help="instead: profile the host side of the step loop at the largest --streams")
+    be.add_argument("--warm-buckets", action="store_true",
+                    help="with --context on CUDA: capture every decode graph bucket before timing "
+                         "(bench-only; by default the engine's own capture policy runs)")
     bf = bsub.add_parser("federation", help="routing overhead and 1 vs 2 replica throughput")
     bf.add_argument("--model", default="smollm2-135m")
     bf.add_argument("--requests", type=int, default=50)
@@ -176,7 +179,7 @@ def cmd_bench_engine(args) -> int:
         from bench import engine_context as bench_context
 
         bench_context.run(args.model, args.context, streams, args.max_tokens, args.json,
-                          {"device": args.device})
+                          {"device": args.device}, warm_buckets=args.warm_buckets)
         return 0
     bench.run(args.model, streams, args.max_tokens, args.compare_transformers, args.json,
               {"device": args.device})

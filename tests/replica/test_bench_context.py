@@ -22,6 +22,7 @@ def test_bench_by_context_on_cpu_with_the_default_model(tmp_path):
     data = json.loads(path.read_text())
     assert data["model"] == "smollm2-135m" and data["device"] == "cpu" and data["copy_gb_per_s"] > 0
     assert data["kv_dtype"] == "float32" and data["kv_capacity_tokens"] > 0
+    assert data["warm_buckets"] is False  # the engine's own policy unless --warm-buckets
     rows = data["rows"]
     assert [(r["context"], r["streams"]) for r in rows] == [(32, 1), (32, 2)]
     for r in rows:
