@@ -1,9 +1,10 @@
 """Request routers for the replica deployment (Ray Serve RequestRouter subclasses).
 
-StickyRouter: a session goes to the replica that holds its KV (the directory says which, or a
-replica's reported resident_sessions); a new session goes to the least-loaded replica (active +
-waiting streams, counting requests this router has in flight, then most free KV blocks); when a
-session's replica is gone it is re-pinned by load. RoundRobinRouter: the plain baseline.
+StickyRouter: a session goes to the replica that holds its KV (the directory says which, or the
+replicas' reports of the sessions they retain); a new session goes to the least-loaded replica
+(active + waiting streams, counting requests this router has in flight, then most free KV
+blocks); when a session's replica is gone it is re-pinned by load. RoundRobinRouter: the plain
+baseline.
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ def _routing(request: PendingRequest | None) -> tuple[str | None, tuple[str, ...
 
 
 def _retained(replica: RunningReplica) -> dict[str, float]:
-    """The sessions a replica reports retaining → when their last turn finished there."""
-    stats = replica.routing_stats or {}
-    return stats.get("resident_retained_at") or dict.fromkeys(stats.get("resident_sessions", ()), 0.0)
+    """The sessions a replica reports retaining (its resident_sessions) → when their last turn
+    finished there (unix seconds)."""
+    return (replica.routing_stats or {}).get("resident_retained_at") or {}
 
 
 def _ranks(first: RunningReplica, rest: list[RunningReplica]) -> list[list[RunningReplica]]:
