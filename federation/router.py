@@ -1,7 +1,8 @@
 """Request routers for the replica deployment (Ray Serve RequestRouter subclasses).
 
-StickyRouter: a session goes to the replica that holds its KV (the directory says which, or the
-replicas' reports of the sessions they retain); a new session goes to the least-loaded replica
+StickyRouter: a session goes to the replica that holds its KV (the directory says which; where it
+does not know, the newest of this router's own placements and the replicas' reports of the
+sessions they retain); a new session goes to the least-loaded replica
 (active + waiting streams, counting requests this router has in flight, then most free KV
 blocks); when a session's replica is gone it is re-pinned by load. RoundRobinRouter: the plain
 baseline.
@@ -72,7 +73,8 @@ class StickyRouter(RequestRouter):
         self._reserved: Counter[str] = Counter()
         self._reservation: dict[str, str] = {}  # internal request id → reserved replica
         self._metrics = RouterMetrics()
-        self._incarnation: str | None = None  # the directory's, as last seen
+        self._incarnation: str | None = None  # the directory's, as last refilled
+        self._refill: tuple[str, asyncio.Future] | None = None  # (incarnation, its refill)
         # internal request id → (session, replica chosen): Serve may still send a request to a
         # fallback rank (the chosen replica's probe failed), and the directory must follow
         self._placed: dict[str, tuple[str, str]] = {}
@@ -89,34 +91,52 @@ class StickyRouter(RequestRouter):
             return await asyncio.wait_for(method.remote(*args), DIRECTORY_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - any failure means: route without it
             self._directory_down_until = time.monotonic() + DIRECTORY_BACKOFF_S
-            log.warning("session directory unavailable (%s); routing by replica reports",
-                        type(e).__name__)
+            log.warning("session directory unavailable (%s); routing by this router's placements "
+                        "and the replicas' reports", type(e).__name__)
             return None
 
     async def _lookup(self, session: str, candidates: list[RunningReplica]) -> str | None:
-        """The session's owner per the directory (or, while it is unreachable, per this
-        router's own recent placements); refills a directory seen restarted."""
+        """The session's owner per the directory, or None (unknown to it, or it is unreachable).
+        A directory seen restarted is refilled first, once, and every lookup that saw the
+        restart waits for that refill: one that ran ahead of it would find the session
+        unknown and place it by reports that may be seconds old."""
         answer = await self._ask(self._directory.lookup, session)
-        if answer is None:
-            return self._recent.get(session, (None, 0.0))[0]
-        owner, incarnation = answer
-        if incarnation != self._incarnation:
-            self._incarnation = incarnation
-            await self._refill(candidates)
+        if answer is not None and answer[1] != self._incarnation:
+            await self._refilled(answer[1], candidates)
             answer = await self._ask(self._directory.lookup, session)
-            owner = answer[0] if answer is not None else self._recent.get(session, (None, 0.0))[0]
-        return owner
+        return answer[0] if answer is not None else None
 
-    async def _refill(self, candidates: list[RunningReplica]) -> None:
+    async def _refilled(self, incarnation: str, candidates: list[RunningReplica]) -> None:
+        """The refill of directory `incarnation`, started by the first lookup to see it (or
+        again, if the last try failed), awaited by all."""
+        if self._refill is None or self._refill[0] != incarnation or (
+                self._refill[1].done() and not self._refill[1].result()):
+            self._refill = (incarnation, asyncio.ensure_future(self._refill_from(candidates)))
+        if await asyncio.shield(self._refill[1]):
+            self._incarnation = incarnation
+
+    async def _refill_from(self, candidates: list[RunningReplica]) -> bool:
         """A (re)started directory learns this router's recent placements and every session a
         replica reports it retains, each with its time: a session that moved is retained by
-        its old replica too, and other routers remember it there; the newest report wins."""
+        its old replica too, and other routers remember it there; the newest report wins.
+        True once the directory took them."""
         known = [(session, rid, when) for session, (rid, when) in self._recent.items()]
         for r in candidates:
             known += [(session, r.replica_id.unique_id, when)
                       for session, when in _retained(r).items()]
-        if known:
-            await self._ask(self._directory.adopt, known)
+        return not known or await self._ask(self._directory.adopt, known) is not None
+
+    def _last_seen(self, session: str, ranked: list[RunningReplica]) -> RunningReplica | None:
+        """Where the session's latest turn ran, by this router's own placements and the
+        replicas' reports of the KV they retain (the newest wins, as in a refill); None if
+        no live replica has it."""
+        seen = {r.replica_id.unique_id: _retained(r)[session]
+                for r in ranked if session in _retained(r)}
+        rid, when = self._recent.get(session, (None, 0.0))
+        if rid is not None:
+            seen[rid] = max(seen.get(rid, 0.0), when)
+        live = [r for r in ranked if r.replica_id.unique_id in seen]
+        return max(live, key=lambda r: seen[r.replica_id.unique_id], default=None)
 
     def _remember(self, session: str, rid: str) -> None:
         self._recent[session] = (rid, time.time())
@@ -159,11 +179,11 @@ class StickyRouter(RequestRouter):
         if owner in by_id:
             chosen, reason = by_id[owner], "sticky"
         else:
-            # replicas retaining the session's KV, its latest turn's first (then by load)
-            holders = sorted((r for r in ranked if session in _retained(r)),
-                             key=lambda r: -_retained(r)[session])
-            chosen = holders[0] if holders else ranked[0]
-            reason = "re-pin" if owner is not None else ("sticky" if holders else "new")
+            # the directory does not know it (or is unreachable), or its replica is gone: the
+            # replica its latest turn ran on, else the least loaded
+            last = self._last_seen(session, ranked)
+            chosen = last or ranked[0]
+            reason = "re-pin" if owner is not None else ("sticky" if last else "new")
             self._reserve(pending_request, chosen.replica_id.unique_id)  # no await since ranking
             winner = await self._ask(self._directory.place, session, chosen.replica_id.unique_id, owner)
             if winner in by_id and winner != chosen.replica_id.unique_id:
