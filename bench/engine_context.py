@@ -1,6 +1,7 @@
 """`fedserve bench engine --context N,...`: prefill and decode at given prompt lengths.
 
-For each context and concurrency, two phases on the same streams (greedy, ignore_eos):
+For each context and concurrency, two phases on the same streams (ignore_eos; greedy unless
+--temperature: then each stream samples, seeded by its index, top-p --top-p):
   prefill: every prompt of exactly `context` token ids submitted at once for one token, its
     KV kept under a session id: prefill tok/s (prompt tokens / time until the last first
     token) and TTFT;
@@ -58,15 +59,18 @@ def prompts_of(context: int, streams: int, vocab: int, seed: int = 0) -> list[tu
     return [tuple(torch.randint(0, hi, (context,), generator=g).tolist()) for _ in range(streams)]
 
 
-def requests(prompts: list[tuple[int, ...]], max_tokens: int, tag: str | None = None
-             ) -> list[Request]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return [Request(prompt_token_ids=p, params=params,
+def requests(prompts: list[tuple[int, ...]], max_tokens: int, tag: str | None = None,
+             temperature: float = 0.0, top_p: float = 1.0) -> list[Request]:
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                              seed=i if temperature else None, ignore_eos=True)
+
+    return [Request(prompt_token_ids=p, params=params(i),
                     session_id=None if tag is None else f"{tag}-{i}") for i, p in enumerate(prompts)]
 
 
 def bench_context(engine: Engine, context: int, streams: int, max_tokens: int, copy_gbs: float,
-                  warm_buckets: bool = False) -> ContextRow:
+                  warm_buckets: bool = False, sampling: dict | None = None) -> ContextRow:
     prompts = prompts_of(context, streams, engine.model_config.vocab_size)
     graphs = engine.core.runner.graphs
     bs = engine.config.block_size
@@ -80,8 +84,8 @@ def bench_context(engine: Engine, context: int, streams: int, max_tokens: int, c
         engine.run_on_loop(lambda: [graphs.warm(b, w) for b in buckets for w in sorted(widths)],
                            timeout=600)
     tag = f"bench-{context}-{streams}"
-    pre = measure(engine, requests(prompts, 1, tag))
-    dec = measure(engine, requests(prompts, max_tokens, tag))
+    pre = measure(engine, requests(prompts, 1, tag, **(sampling or {})))
+    dec = measure(engine, requests(prompts, max_tokens, tag, **(sampling or {})))
     core = engine.core
     engine.run_on_loop(lambda: [core.sessions.drop(k) for k in core.sessions.keys()])
     steps = max(dec["decode_steps"], 1)
@@ -105,7 +109,8 @@ def bench_context(engine: Engine, context: int, streams: int, max_tokens: int, c
 
 def run(model: str, contexts: list[int], streams: list[int], max_tokens: int,
         json_path: str | None, engine_kwargs: dict | None = None,
-        warm_buckets: bool = False) -> list[ContextRow]:
+        warm_buckets: bool = False, temperature: float = 0.0, top_p: float = 1.0
+        ) -> list[ContextRow]:
     from replica.config import EngineConfig
 
     kwargs = dict(engine_kwargs or {})
@@ -119,24 +124,25 @@ def run(model: str, contexts: list[int], streams: list[int], max_tokens: int,
         copy_gbs = copy_bandwidth(device)
         measure(engine, requests(prompts_of(min(contexts), 1, engine.model_config.vocab_size,
                                             seed=1), 4))
-        rows = [bench_context(engine, c, n, max_tokens, copy_gbs, warm_buckets)
+        sampling = dict(temperature=temperature, top_p=top_p)
+        rows = [bench_context(engine, c, n, max_tokens, copy_gbs, warm_buckets, sampling)
                 for c in contexts for n in streams]
     finally:
         engine.shutdown()
-    print(format_table(rows, engine, model, copy_gbs, load_s))
+    print(format_table(rows, engine, model, copy_gbs, load_s, temperature, top_p))
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"model": model, "synthetic": engine.model_config.synthetic,
                        "device": device, "max_tokens": max_tokens, "copy_gb_per_s": copy_gbs,
                        "load_s": load_s, "kv_capacity_tokens": engine.kv_capacity_tokens,
-                       "warm_buckets": warm_buckets,
+                       "warm_buckets": warm_buckets, "temperature": temperature, "top_p": top_p,
                        "kv_dtype": str(engine.config.kv_torch_dtype).removeprefix("torch."),
                        "rows": [asdict(r) for r in rows]}, f, indent=2)
     return rows
 
 
 def format_table(rows: list[ContextRow], engine: Engine, model: str, copy_gbs: float,
-                 load_s: float) -> str:
+                 load_s: float, temperature: float = 0.0, top_p: float = 1.0) -> str:
     cfg = engine.config
     label = f"{model}{' (SYNTHETIC weights)' if engine.model_config.synthetic else ''}"
     lines = [f"engine benchmark by context: {label} on {cfg.device}, loaded in {load_s:.1f} s",
@@ -145,7 +151,8 @@ def format_table(rows: list[ContextRow], engine: Engine, model: str, copy_gbs: f
              f"{copy_gbs:.0f} GB/s (read + write); prefill: all prompts at once; decode: the "
              f"same streams resumed from their retained KV, every stream decoding; GB/step: "
              f"weights a decode step touches + KV it reads; GPU: the decode graph alone at "
-             f"streams x context; * = the streams did not fit the pool at once"]
+             f"streams x context; * = the streams did not fit the pool at once; "
+             + (f"sampled: temperature {temperature}, top-p {top_p}" if temperature else "greedy")]
     head = (f"{'context':>7} {'streams':>7} {'prefill tok/s':>13} {'TTFT ms':>8} {'TTFT max':>8} "
             f"{'decode tok/s':>12} {'ms/step':>8} {'median':>7} {'GC ms':>6} {'GB/step':>8} "
             f"{'%roofline':>9}")

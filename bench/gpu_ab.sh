@@ -70,6 +70,7 @@ sys.exit(pytest.main(['-q', '-n', '0', 'tests/kernels/test_gpu.py', 'tests/repli
 fi
 
 # WARM_BUCKETS=1: the bench captures every decode graph bucket before timing (bench-only)
+# TEMPERATURE=0.8: every stream samples (seeded; TOP_P, default 1.0), its token picked on the GPU
 for mode in ${ENGINE_MODES-pdl nopdl}; do  # nopdl: plain launches; splitrows: v7's row modes
   stamp "engine benchmark, $mode"
   timeout "${T_ENGINE:-200}" python -c "
@@ -80,7 +81,8 @@ from cli.main import main
 sys.exit(main(['bench', 'engine', '--model', 'synthetic:qwen3-30b-a3b-int4', '--device', 'cuda',
                '--context', '${CONTEXT:-128,2048}', '--streams', '${STREAMS:-1,64}',
                '--max-tokens', '${MAX_TOKENS:-64}', '--json', '$OUT/engine_$mode${TAG-}.json']
-              + (['--warm-buckets'] if '${WARM_BUCKETS-}' else [])))
+              + (['--warm-buckets'] if '${WARM_BUCKETS-}' else [])
+              + ['--temperature', '${TEMPERATURE:-0}', '--top-p', '${TOP_P:-1.0}']))
 " 2>&1 | grep -v Warning | tail -${TAIL:-16}
 done
 stamp done

@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--device", default="cpu")
     be.add_argument("--profile", action="store_true",
                     help="instead: profile the host side of the step loop at the largest --streams")
+    be.add_argument("--temperature", type=float, default=0.0,
+                    help="with --context: every stream samples at this temperature (0: greedy)")
+    be.add_argument("--top-p", type=float, default=1.0, help="with --context and --temperature")
     be.add_argument("--warm-buckets", action="store_true",
                     help="with --context on CUDA: capture every decode graph bucket before timing "
                          "(bench-only; by default the engine's own capture policy runs)")
@@ -179,7 +182,8 @@ def cmd_bench_engine(args) -> int:
         from bench import engine_context as bench_context
 
         bench_context.run(args.model, args.context, streams, args.max_tokens, args.json,
-                          {"device": args.device}, warm_buckets=args.warm_buckets)
+                          {"device": args.device}, warm_buckets=args.warm_buckets,
+                          temperature=args.temperature, top_p=args.top_p)
         return 0
     bench.run(args.model, streams, args.max_tokens, args.compare_transformers, args.json,
               {"device": args.device})

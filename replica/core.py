@@ -20,7 +20,7 @@ from replica.models.spec import LoadedModel
 from replica.models.transformer import Transformer
 from replica.request import Detokenizer, Request, StreamEvent, new_request_id
 from replica.runner import ModelRunner
-from replica.sampling import SamplingParams, sample
+from replica.sampling import SamplingParams
 from replica.scheduler import Scheduler
 from replica.stream import Stream
 
@@ -188,7 +188,7 @@ class EngineCore:
         self._flush_events()
         self.steps += 1
         self.tokens_computed += record.num_tokens
-        greedy, lives = out.greedy, self._live
+        tokens, lives = out.tokens, self._live
         for r, chunk in enumerate(record.chunks):
             s = chunk.stream
             if s.finished:  # it ended (a stop string, a cancel) while this step ran: row dropped
@@ -199,19 +199,14 @@ class EngineCore:
                 self._pool_hidden(live, out.hidden[r])
                 continue
             if chunk.samples:
-                tok = greedy.get(r)
-                if tok is None:
-                    tok = sample(out.logits[r], s.params, position=s.num_tokens)
-                s.output_ids.append(tok)
+                s.output_ids.append(tokens[r])
                 self._emit(live, defer=self._overlap)
         return record.num_tokens
 
     def _launch_ahead(self, record, launched):
-        """(the next step, launched) when it can start before `record`'s tokens are known:
-        every stream greedy (its token is the device's argmax), those whose token from
-        `record` ends them by count left out. None otherwise."""
-        if not all(c.stream.params.greedy for c in record.chunks):
-            return None
+        """(the next step, launched) when it can start before `record`'s tokens are known
+        (they are picked on the device, sampled streams' too), those streams whose token from
+        `record` ends them by count left out. None when the scheduler cannot tell the step."""
         limit = self.max_context
 
         def continues(s: Stream) -> bool:

@@ -14,6 +14,7 @@ import torch
 from replica.graphs import DecodeGraphs
 from replica.kv import KVCache
 from replica.models.transformer import ForwardBatch, PrefillSpan, Transformer
+from replica.sampling import pick
 from replica.scheduler import Chunk, StepRecord
 from replica.step_inputs import BlockTables, int_tensor, prefill_range
 
@@ -24,13 +25,13 @@ class StepOutput:
 
     logits: Mapping[int, torch.Tensor]  # chunk index → [vocab] fp32 (CPU), for sampling chunks
     hidden: dict[int, torch.Tensor]  # chunk index → [n, hidden] fp32 (CPU), for embed chunks
-    greedy: dict[int, int] = field(default_factory=dict)  # chunk index → argmax, greedy chunks
+    tokens: dict[int, int] = field(default_factory=dict)  # chunk index → its pick, sampling chunks
 
 
 class HostRows(Mapping):
-    """chunk index → that chunk's logits on the host. Rows fetched at step time (the chunks that
-    sample on the host) are here already; any other row is copied from the device on first read
-    (tests read them; the engine does not). Valid until the next execute."""
+    """chunk index → that chunk's logits on the host, copied from the device on first read (tests
+    read them; the engine does not: its tokens are picked on the device). Rows in `fetched` are
+    here already. Valid until the next execute."""
 
     def __init__(self, device_logits: torch.Tensor, row_of: dict[int, int],
                  fetched: dict[int, torch.Tensor]) -> None:
@@ -61,12 +62,11 @@ class Launched:
 
     record: StepRecord
     logits: torch.Tensor | None  # [R, vocab] fp32 on the device, R >= len(sample_chunks)
-    argmax: torch.Tensor | None  # [R] int64 on the device: each row's greedy pick
+    picks: torch.Tensor | None  # [R] int64 on the device: each row's token (replica/sampling.pick)
     sample_chunks: list[int]  # the chunk of each logits row
     hidden: dict[int, torch.Tensor]  # chunk index → [n, hidden] fp32 (CPU), embed chunks
     ids: torch.Tensor | None = None  # [L] int64 on the host (filled by `done`)
-    rows: torch.Tensor | None = None  # [host-sampled rows, vocab] fp32 on the host, or None
-    done: torch.cuda.Event | None = None  # CUDA: recorded after the copies to the host
+    done: torch.cuda.Event | None = None  # CUDA: recorded after the copy to the host
 
 
 class ModelRunner:
@@ -84,8 +84,7 @@ class ModelRunner:
         cuda = torch.device(model.device).type == "cuda"
         self.tables = BlockTables()
         self.graphs = DecodeGraphs(model, kv, fast_prefill, self.tables) if cuda else None
-        # pinned staging (CUDA), two sets used in turn: logits rows, argmax ids
-        self._host: list[torch.Tensor | None] = [None, None]
+        # pinned staging (CUDA) of the picked ids, two buffers used in turn
         self._host_ids: list[torch.Tensor | None] = [None, None]
         self._turn = 0
         # host work to run while a step's device work is in flight: called by the next collect
@@ -100,7 +99,7 @@ class ModelRunner:
         """→ (the step's T tokens from S = len(record.chunks) streams as a ForwardBatch on the
         model's device; sample_chunks: the chunk of each of its L logit rows; hidden_spans:
         (chunk, first token row, end) of each embed chunk, in the order of its E hidden rows).
-        feed_ids [R] int64 on the device: the greedy picks of the step before, where a chunk
+        feed_ids [R] int64 on the device: the picks of the step before, where a chunk
         with feed_row >= 0 takes its token (every chunk of a step scheduled ahead)."""
         bs = self.block_size
         ids: list[int] = []
@@ -170,22 +169,22 @@ class ModelRunner:
 
     def execute(self, record: StepRecord) -> StepOutput:
         """→ logits [vocab] fp32 per sampling chunk, hidden [n, hidden] fp32 per embed chunk,
-        and the token of each greedy chunk: collect(launch(record))."""
+        and the token of each sampling chunk: collect(launch(record))."""
         if not record.chunks:
             return StepOutput({}, {})
         return self.collect(self.launch(record))
 
     def launch(self, record: StepRecord, feed: "Launched | None" = None) -> "Launched":
-        """Start the step on the device and queue its results' copies to the host; on CUDA
-        this returns before the device is done (collect waits). Greedy chunks get their token
-        (argmax, first index on ties) chosen where the logits are, so on CUDA only ids and the
-        rows of host-sampled chunks cross to the host. feed: the step launched before this
-        one, when record was scheduled ahead of it (Scheduler.schedule_ahead): each chunk's
-        token is feed's greedy pick of row chunk.feed_row, taken on the device.
+        """Start the step on the device and queue its tokens' copy to the host; on CUDA this
+        returns before the device is done (collect waits). Every sampling chunk gets its token
+        where the logits are (replica/sampling.pick: argmax for greedy streams, the seeded
+        draw for the others), so on CUDA only ids cross to the host. feed: the step launched
+        before this one, when record was scheduled ahead of it (Scheduler.schedule_ahead):
+        each chunk's token is feed's pick of row chunk.feed_row, taken on the device.
         Decode-only steps replay a CUDA graph; the rest run eagerly."""
         if not record.chunks:
             raise ValueError("launch: an empty step")
-        feed_ids = None if feed is None else feed.argmax
+        feed_ids = None if feed is None else feed.picks
         if self.graphs is not None and self.graphs.accepts(record):
             logits, argmax = self.graphs.launch(record, feed_ids)  # [bucket, vocab], [bucket]
             sample_chunks = list(range(len(record.chunks)))
@@ -204,14 +203,16 @@ class ModelRunner:
                 return Launched(record, None, None, [], hidden_out)
             argmax = torch.argmax(logits, dim=-1)
         chunks = record.chunks
+        # a sampled token is the one at position chunk.end (the stream's next)
+        sampled = [(i, chunks[r].stream.params, chunks[r].end) for i, r in enumerate(sample_chunks)
+                   if not chunks[r].stream.params.greedy]
+        picks = pick(logits, argmax, sampled)  # [R]
         n = len(sample_chunks)
-        host_rows = [i for i, r in enumerate(sample_chunks)
-                     if not chunks[r].stream.params.greedy]
-        out = Launched(record, logits, argmax, sample_chunks, hidden_out)
+        out = Launched(record, logits, picks, sample_chunks, hidden_out)
         if logits.device.type == "cpu":
-            out.ids, out.rows = argmax[:n], logits[host_rows] if host_rows else None
+            out.ids = picks[:n]
         else:
-            out.ids, out.rows = self._to_host(argmax[:n], logits, host_rows)
+            out.ids = self._to_host(picks[:n])
             out.done = torch.cuda.Event()
             out.done.record(torch.cuda.current_stream(logits.device))
         return out
@@ -226,24 +227,13 @@ class ModelRunner:
             launched.done.synchronize()
         sample_chunks = launched.sample_chunks
         row_of = {r: i for i, r in enumerate(sample_chunks)}
-        chunks = launched.record.chunks
-        ids = launched.ids.tolist()
-        greedy, fetched, j = {}, {}, 0
-        for i, r in enumerate(sample_chunks):
-            if chunks[r].stream.params.greedy:
-                greedy[r] = ids[i]
-            else:
-                fetched[r] = launched.rows[j]
-                j += 1
-        return StepOutput(HostRows(launched.logits, row_of, fetched), launched.hidden, greedy)
+        tokens = dict(zip(sample_chunks, launched.ids.tolist()))
+        return StepOutput(HostRows(launched.logits, row_of, {}), launched.hidden, tokens)
 
-    def _to_host(self, ids: torch.Tensor, logits: torch.Tensor,
-                 rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """ids [N] int64, logits [R, vocab] fp32 on the device → (ids [N] int64, logits[rows]
-        [len(rows), vocab] fp32, or None when rows is empty) in pinned host buffers, copied
-        after the step's work in stream order (not waited for). Two sets of buffers in turn:
-        a step's results stay readable while the next one is launched and copies its own."""
-        n, v = len(rows), logits.shape[1]
+    def _to_host(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [N] int64 on the device → [N] int64 in a pinned host buffer, copied after the
+        step's work in stream order (not waited for). Two buffers in turn: a step's ids stay
+        readable while the next one is launched and copies its own."""
         self._turn ^= 1
         t = self._turn
         if self._host_ids[t] is None or self._host_ids[t].shape[0] < ids.shape[0]:
@@ -251,16 +241,7 @@ class ModelRunner:
                                             pin_memory=True)
         host_ids = self._host_ids[t][: ids.shape[0]]
         host_ids.copy_(ids, non_blocking=True)
-        out = None
-        if n:
-            host = self._host[t]
-            if host is None or host.shape[0] < n or host.shape[1] != v:
-                host = self._host[t] = torch.empty(max(n, 64), v, dtype=torch.float32,
-                                                   pin_memory=True)
-            out = host[:n]
-            index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
-            out.copy_(logits.index_select(0, index), non_blocking=True)
-        return host_ids, out
+        return host_ids
 
     def _overlap(self) -> None:
         """Run while_running once (it is cleared first: a step runs it at most once)."""

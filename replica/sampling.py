@@ -1,14 +1,20 @@
-"""Sampling parameters and the per-stream sampler.
+"""Sampling parameters and the samplers.
 
-A stream's randomness depends only on (seed, position): the generator for the token at
-position p is seeded from (seed, p). Seeded sampling is therefore reproducible in any batch,
-after preemption and after a resume.
+A stream's randomness depends only on (seed, position): the uniform draw for the token at
+position p comes from a generator seeded from (seed, p). Seeded sampling is therefore
+reproducible in any batch, after preemption and after a resume.
+
+`pick` chooses a step's tokens where its logits are (the engine's path: on CUDA the logits never
+cross to the host, and a sampled stream's token can feed the next step on the device); `sample`
+is one stream's token on the host, written for reading, and the reference `pick` is tested
+against (the same operations in the same order, per row).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -72,6 +78,11 @@ def position_generator(seed: int, position: int) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
+def uniform(seed: int | None, position: int) -> float:
+    """The uniform draw in [0, 1) for the token at `position` of a stream seeded with `seed`."""
+    return float(torch.rand(1, generator=position_generator(seed, position), dtype=torch.float64))
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
     """Pick the token at `position` from one stream's logits [vocab] (float32).
 
@@ -92,6 +103,39 @@ def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
                                                 dtype=torch.float64))) + 1)
     probs = probs[:keep]
     cum = torch.cumsum(probs, dim=-1)
-    u = torch.rand(1, generator=position_generator(params.seed, position), dtype=torch.float64)
+    u = torch.tensor([uniform(params.seed, position)], dtype=torch.float64)
     idx = int(torch.searchsorted(cum, u * cum[-1], right=True).clamp(max=keep - 1))
     return int(order[idx])
+
+
+def pick(logits: torch.Tensor, argmax: torch.Tensor, rows: Sequence[tuple[int, SamplingParams, int]]
+         ) -> torch.Tensor:
+    """A step's tokens, on the logits' device: logits [R, V] fp32, argmax [R] int64 (each row's
+    greedy pick, first index on ties), rows: (row, params, position) of each sampled row.
+    → [R] int64: argmax, with each sampled row replaced by `sample`'s token for it.
+
+    All sampled rows at once, row by row in the same operations as `sample` (float64 softmax,
+    stable descending sort, top-k, then top-p over the sorted cumulative mass, inverse CDF at
+    the row's (seed, position) draw): every operation acts within a row, so a row's token
+    depends on its own logits, params and position only, never on the other rows."""
+    if not rows:
+        return argmax
+    dev, v = logits.device, logits.shape[1]
+    f64 = dict(dtype=torch.float64, device=dev)
+    index = torch.tensor([r for r, _, _ in rows], dtype=torch.int64, device=dev)  # [N]
+    temp = torch.tensor([[p.temperature] for _, p, _ in rows], **f64)  # [N, 1]
+    probs = torch.softmax(logits.index_select(0, index).to(torch.float64) / temp, dim=-1)  # [N, V]
+    probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # ties by token id
+    cum = torch.cumsum(probs, dim=-1)  # [N, V]
+    keep = torch.tensor([[min(v, p.top_k) if p.top_k > 0 else v] for _, p, _ in rows],
+                        dtype=torch.int64, device=dev)  # [N, 1]
+    top_p = [[p.top_p] for _, p, _ in rows]
+    if any(t < 1.0 for (t,) in top_p):
+        # smallest prefix whose mass reaches top_p (always at least one token)
+        reach = torch.searchsorted(cum, torch.tensor(top_p, **f64)) + 1  # [N, 1]
+        full = torch.tensor(top_p, **f64) >= 1.0
+        keep = torch.minimum(keep, torch.where(full, keep, reach))
+    total = cum.gather(1, keep - 1)  # [N, 1]: the kept mass
+    u = torch.tensor([[uniform(p.seed, pos)] for _, p, pos in rows], **f64)  # [N, 1]
+    at = torch.minimum(torch.searchsorted(cum, u * total, right=True), keep - 1)  # [N, 1]
+    return argmax.index_copy(0, index, order.gather(1, at).squeeze(1))

@@ -23,6 +23,7 @@ def test_bench_by_context_on_cpu_with_the_default_model(tmp_path):
     assert data["model"] == "smollm2-135m" and data["device"] == "cpu" and data["copy_gb_per_s"] > 0
     assert data["kv_dtype"] == "float32" and data["kv_capacity_tokens"] > 0
     assert data["warm_buckets"] is False  # the engine's own policy unless --warm-buckets
+    assert data["temperature"] == 0.0 and "greedy" in out.stdout  # unless --temperature
     rows = data["rows"]
     assert [(r["context"], r["streams"]) for r in rows] == [(32, 1), (32, 2)]
     for r in rows:
@@ -33,6 +34,19 @@ def test_bench_by_context_on_cpu_with_the_default_model(tmp_path):
         # measured inside one step, or across two, would fall outside)
         assert r["ms_per_step"] / 3 < r["ms_per_step_median"] < 2 * r["ms_per_step"]
         assert 0 < r["gb_per_step"] < 1 and r["roofline_pct"] > 0
+
+
+def test_bench_by_context_samples_with_temperature(tmp_path):
+    path = tmp_path / "bench.json"
+    out = subprocess.run([sys.executable, "-m", "cli", "bench", "engine", "--context", "16",
+                          "--streams", "2", "--max-tokens", "3", "--temperature", "0.8",
+                          "--top-p", "0.9", "--json", str(path)],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr
+    assert "sampled: temperature 0.8, top-p 0.9" in out.stdout
+    data = json.loads(path.read_text())
+    assert (data["temperature"], data["top_p"]) == (0.8, 0.9)
+    assert [r["decode_steps"] for r in data["rows"]] == [2]
 
 
 def test_prompts_have_the_exact_context_and_differ():

@@ -128,12 +128,14 @@ def test_cuda_stream_alone_vs_among_1_to_64_others_bitwise(preset, context):
     """Default numerics (bf16 pool, tiled prefill from MIN_POSITION, step budget 8192, CUDA graphs): the
     stream's tokens and logit bits are the same alone and among 1, 7, 31, 64 others whose
     prompts chunk the steps differently. One engine core serves every run (its blocks are
-    reused in another order each time, freed ones NaN-poisoned)."""
+    reused in another order each time, freed ones NaN-poisoned). At 2,048 the stream samples
+    (its token drawn on the device, replica/sampling.pick, among rows that do not)."""
     model = loaded(preset, "cuda")
     kw = dict(device="cuda", block_size=16, num_kv_blocks=65 * (context * 3 // 2 + 32) // 16 + 64,
               max_running_streams=65, max_batch_tokens=None, poison_freed_kv=True)
     g = torch.Generator().manual_seed(context)
-    spec = StreamSpec(tuple(torch.randint(0, 256, (context,), generator=g).tolist()), 10)
+    sampled = dict(temperature=0.8, top_p=0.9, seed=3) if context == 2048 else {}
+    spec = StreamSpec(tuple(torch.randint(0, 256, (context,), generator=g).tolist()), 10, **sampled)
     calls = []
     attend = prefill.prefill_attention_batch
     prefill.prefill_attention_batch = lambda *a, **k: calls.append(1) or attend(*a, **k)
@@ -143,7 +145,7 @@ def test_cuda_stream_alone_vs_among_1_to_64_others_bitwise(preset, context):
         assert len(solo_logits) == 10
         for n in (1, 7, 31, 64):
             specs = others(n, context, model.config.vocab_size)
-            specs.insert(n // 2, StreamSpec(spec.prompt, spec.max_tokens, arrival=1))
+            specs.insert(n // 2, StreamSpec(spec.prompt, spec.max_tokens, arrival=1, **sampled))
             tokens, logits = run_schedule(core, specs, check_kv=False)
             assert tokens[n // 2] == solo_tokens, n
             assert logits[n // 2] == solo_logits, f"{n} others: logit bits differ from the solo run"
@@ -160,15 +162,17 @@ def test_cuda_lookahead_gives_the_plain_tokens_and_logit_bits():
     """On CUDA a decode step is launched before the step before has returned its tokens (the
     default): its tokens are fed on the device into the graph's inputs. Streams that join,
     finish at different lengths and are cancelled get the tokens and logit bits of a run
-    without lookahead, and steps really ran ahead."""
+    without lookahead, and steps really ran ahead; a third of them sample (their tokens drawn
+    on the device feed the steps ahead as greedy ones do)."""
     model = loaded(SMALL, "cuda")
     g = torch.Generator().manual_seed(5)
     specs = [StreamSpec(tuple(torch.randint(0, 256, (int(n),), generator=g).tolist()), int(m),
-                        arrival=int(a), cancel_after=c)
-             for n, m, a, c in zip(torch.randint(20, 300, (12,), generator=g),
-                                   torch.randint(3, 40, (12,), generator=g),
-                                   torch.randint(0, 6, (12,), generator=g),
-                                   [None] * 10 + [9, 20])]
+                        arrival=int(a), cancel_after=c,
+                        **(dict(temperature=0.9, top_k=40, seed=i) if i % 3 == 1 else {}))
+             for i, (n, m, a, c) in enumerate(zip(torch.randint(20, 300, (12,), generator=g),
+                                                  torch.randint(3, 40, (12,), generator=g),
+                                                  torch.randint(0, 6, (12,), generator=g),
+                                                  [None] * 10 + [9, 20]))]
     runs, ahead = [], []
     for lookahead in (False, True):
         core = small_core(model, device="cuda", block_size=16, num_kv_blocks=512,

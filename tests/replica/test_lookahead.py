@@ -2,7 +2,7 @@
 host, its tokens fed on the device (Scheduler.schedule_ahead, ModelRunner.launch). Every request
 must see exactly the events of the plain order, on the embedded model, while steps really run
 ahead: stop strings (found a step late: the streams' rows in two steps in flight are dropped),
-stop token ids, max_tokens, a cancel, a sampled stream (no step runs ahead while it decodes),
+stop token ids, max_tokens, a cancel, a sampled stream (its token picked on the device too),
 arrivals mid-run, retained sessions and their next turn, and a pool too small for all streams
 (preemption; no step runs ahead without free blocks). Freed KV is poisoned with NaN, so a
 stream that read a slot a dropped row wrote would show it."""
@@ -36,10 +36,13 @@ def core_of(loaded, lookahead: bool, blocks: int = 256, overlap: bool = True) ->
     core = EngineCore(EngineConfig(max_batch_tokens=64, poison_freed_kv=True, num_kv_blocks=blocks,
                                    overlap_events=overlap, lookahead=lookahead), loaded=loaded)
     core.ahead_steps = 0  # steps launched with their tokens fed on the device
+    core.ahead_sampled = 0  # of them, those with a sampled stream
     launch = core.runner.launch
 
     def counted(record, feed=None):
         core.ahead_steps += feed is not None
+        core.ahead_sampled += feed is not None and any(not c.stream.params.greedy
+                                                       for c in record.chunks)
         return launch(record, feed)
 
     core.runner.launch = counted
@@ -68,6 +71,7 @@ def test_events_are_those_of_the_plain_order(loaded):
         got = run_events(ahead, requests, cancel, arrive)
         assert got == want
         assert ahead.ahead_steps >= 10
+        assert ahead.ahead_sampled >= 3  # the sampled stream's picks fed steps too
         assert ahead.pool.num_free == ahead.pool.num_blocks  # every block back (no sessions)
     # and the cases happened as meant
     assert want["stop-string"][-1][3] == "stop" and len(want["stop-string"]) < 16

@@ -1,5 +1,6 @@
-"""ModelRunner's outputs: greedy chunks get their token where the logits are (argmax, first index
-on ties), host-sampled chunks get their logits rows, and every row reads back the same bits."""
+"""ModelRunner's outputs: every sampling chunk gets its token where the logits are (argmax, first
+index on ties, for greedy streams; the seeded draw for the others), equal to the host reference
+sampler's on the same row, and every row reads back the same bits."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def mixed_step(device: str):
     def logged(launched):
         record = launched.record
         out = collect(launched)
-        samples = [c.samples for c in record.chunks]  # before the step appends tokens
+        # before the step appends tokens: which chunks sample, and each stream's next position
+        samples = [(c.samples, c.stream.num_tokens) for c in record.chunks]
         seen.append((record, samples, out, {r: out.logits[r].clone() for r in out.logits}))
         return out
 
@@ -41,26 +43,28 @@ def mixed_step(device: str):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_greedy_ids_come_from_the_runner_and_match_the_host_sampler(device):
+def test_tokens_come_from_the_runner_and_match_the_host_sampler(device):
     seen = mixed_step(device)
     assert len(seen) >= 4
     greedy_picks = sampled_rows = 0
     for record, samples, out, rows in seen:
         assert isinstance(out.logits, HostRows)
         for r, chunk in enumerate(record.chunks):
-            if not samples[r]:
-                assert r not in out.logits and r not in out.greedy
+            if not samples[r][0]:
+                assert r not in out.logits and r not in out.tokens
                 continue
             assert r in out.logits
             row = rows[r]
             assert row.device.type == "cpu" and row.shape == (320,) and torch.isfinite(row).all()
-            if chunk.stream.params.greedy:
+            params = chunk.stream.params
+            if params.greedy:
                 greedy_picks += 1
-                assert out.greedy[r] == int(torch.argmax(row))
-                assert out.greedy[r] == sample(row, chunk.stream.params, 0)
+                assert out.tokens[r] == int(torch.argmax(row))
             else:
                 sampled_rows += 1
-                assert r not in out.greedy
+            # the draw is the one for the stream's next position, which the step appends
+            assert chunk.end == samples[r][1]
+            assert out.tokens[r] == sample(row, params, chunk.end)
     assert greedy_picks >= 8 and sampled_rows >= 8
 
 

@@ -1,0 +1,106 @@
+"""The samplers: `sample` (one row on the host, the reference) draws from the distribution its
+parameters describe; `pick` (a step's rows at once, on the logits' device: the engine's path)
+gives `sample`'s token for every row, and a row's token does not depend on the other rows."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from replica.sampling import SamplingParams, pick, sample, uniform
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def filtered(logits: list[float], p: SamplingParams) -> list[float]:
+    """The distribution `p` describes, computed independently: softmax at the temperature, the
+    top_k most likely, then the smallest most-likely prefix whose mass reaches top_p,
+    renormalized (ties: the lower token id counts as more likely)."""
+    m = max(logits)
+    w = [math.exp((x - m) / p.temperature) for x in logits]
+    z = sum(w)
+    probs = [x / z for x in w]
+    order = sorted(range(len(probs)), key=lambda i: (-probs[i], i))
+    if p.top_k > 0:
+        order = order[: p.top_k]
+    kept, mass = [], 0.0
+    for i in order:
+        kept.append(i)
+        mass += probs[i]
+        if mass >= p.top_p:
+            break
+    total = sum(probs[i] for i in kept)
+    return [probs[i] / total if i in kept else 0.0 for i in range(len(probs))]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, seed=3),
+    SamplingParams(temperature=0.5, seed=4),
+    SamplingParams(temperature=1.5, top_k=3, seed=5),
+    SamplingParams(temperature=1.0, top_p=0.7, seed=6),
+    SamplingParams(temperature=0.8, top_k=4, top_p=0.9, seed=7),
+])
+def test_sample_draws_from_the_distribution_its_parameters_describe(params):
+    logits = [2.0, 1.5, 1.5, 0.3, -0.4, -1.0, -3.0]
+    want = filtered(logits, params)
+    n = 6000
+    counts = [0] * len(logits)
+    row = torch.tensor(logits)
+    for position in range(n):
+        counts[sample(row, params, position)] += 1
+    for tok, (c, q) in enumerate(zip(counts, want)):
+        if q == 0.0:
+            assert c == 0, (tok, counts, want)  # cut by top-k / top-p: never drawn
+        else:
+            sigma = math.sqrt(n * q * (1 - q))
+            assert abs(c - n * q) <= 4.5 * sigma + 1, (tok, counts, [round(n * x) for x in want])
+
+
+def test_the_draw_depends_on_seed_and_position_only():
+    assert uniform(11, 5) == uniform(11, 5)
+    draws = {uniform(11, p) for p in range(200)} | {uniform(12, p) for p in range(200)}
+    assert len(draws) == 400 and all(0.0 <= u < 1.0 for u in draws)
+
+
+def cases(seed: int):
+    """Random steps: (logits [R, V], rows to sample: (row, params, position)); some with long
+    runs of tied logits, some rows left greedy."""
+    rng = random.Random(seed)
+    for trial in range(40):
+        v = rng.choice([7, 50, 320, 4096])
+        r = rng.randint(1, 9)
+        gen = torch.Generator().manual_seed(seed * 1000 + trial)
+        logits = torch.randn(r, v, generator=gen) * rng.choice([0.1, 1.0, 5.0])
+        if trial % 5 == 0:
+            logits[:, : v // 2] = logits[0, 0]
+        rows = [(i, SamplingParams(temperature=rng.choice([0.3, 0.8, 1.0, 2.5]),
+                                   top_p=rng.choice([1.0, 0.9, 0.5, 0.05]),
+                                   top_k=rng.choice([0, 0, 1, 5, 100]), seed=rng.randint(0, 2**40)),
+                 rng.randint(0, 5000))
+                for i in range(r) if rng.random() > 0.3]
+        yield logits, rows
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pick_gives_each_row_its_own_token_among_any_rows(device):
+    checked = 0
+    for logits, rows in cases(1):
+        logits = logits.to(device)
+        argmax = torch.argmax(logits, dim=-1)
+        got = pick(logits, argmax, rows)
+        assert got.device == logits.device and got.dtype == torch.int64
+        got = got.tolist()
+        sampled = {i for i, _, _ in rows}
+        for i in range(logits.shape[0]):
+            if i not in sampled:
+                assert got[i] == int(argmax[i])  # greedy rows keep the argmax
+        for i, p, pos in rows:
+            alone = pick(logits[i:i + 1], argmax[i:i + 1], [(0, p, pos)]).item()
+            assert got[i] == alone  # the same token alone as among the others
+            if device == "cpu":  # the reference, row by row, on the same bits
+                assert got[i] == sample(logits[i].cpu(), p, pos)
+            checked += 1
+    assert checked > 100
