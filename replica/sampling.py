@@ -121,21 +121,24 @@ def pick(logits: torch.Tensor, argmax: torch.Tensor, rows: Sequence[tuple[int, S
     if not rows:
         return argmax
     dev, v = logits.device, logits.shape[1]
-    f64 = dict(dtype=torch.float64, device=dev)
-    index = torch.tensor([r for r, _, _ in rows], dtype=torch.int64, device=dev)  # [N]
-    temp = torch.tensor([[p.temperature] for _, p, _ in rows], **f64)  # [N, 1]
+
+    def staged(values: list, dtype: torch.dtype) -> torch.Tensor:
+        # non_blocking: the host does not wait for the step in flight (a blocking copy would
+        # synchronize the stream, and lookahead would lose its overlap)
+        return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+
+    index = staged([r for r, _, _ in rows], torch.int64)  # [N]
+    temp = staged([[p.temperature] for _, p, _ in rows], torch.float64)  # [N, 1]
     probs = torch.softmax(logits.index_select(0, index).to(torch.float64) / temp, dim=-1)  # [N, V]
     probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # ties by token id
     cum = torch.cumsum(probs, dim=-1)  # [N, V]
-    keep = torch.tensor([[min(v, p.top_k) if p.top_k > 0 else v] for _, p, _ in rows],
-                        dtype=torch.int64, device=dev)  # [N, 1]
-    top_p = [[p.top_p] for _, p, _ in rows]
-    if any(t < 1.0 for (t,) in top_p):
+    keep = staged([[min(v, p.top_k) if p.top_k > 0 else v] for _, p, _ in rows], torch.int64)  # [N, 1]
+    if any(p.top_p < 1.0 for _, p, _ in rows):
         # smallest prefix whose mass reaches top_p (always at least one token)
-        reach = torch.searchsorted(cum, torch.tensor(top_p, **f64)) + 1  # [N, 1]
-        full = torch.tensor(top_p, **f64) >= 1.0
-        keep = torch.minimum(keep, torch.where(full, keep, reach))
+        top_p = staged([[p.top_p] for _, p, _ in rows], torch.float64)  # [N, 1]
+        reach = torch.searchsorted(cum, top_p) + 1  # [N, 1]
+        keep = torch.minimum(keep, torch.where(top_p >= 1.0, keep, reach))
     total = cum.gather(1, keep - 1)  # [N, 1]: the kept mass
-    u = torch.tensor([[uniform(p.seed, pos)] for _, p, pos in rows], **f64)  # [N, 1]
+    u = staged([[uniform(p.seed, pos)] for _, p, pos in rows], torch.float64)  # [N, 1]
     at = torch.minimum(torch.searchsorted(cum, u * total, right=True), keep - 1)  # [N, 1]
     return argmax.index_copy(0, index, order.gather(1, at).squeeze(1))

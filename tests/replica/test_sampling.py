@@ -104,3 +104,20 @@ def test_pick_gives_each_row_its_own_token_among_any_rows(device):
                 assert got[i] == sample(logits[i].cpu(), p, pos)
             checked += 1
     assert checked > 100
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pick_never_waits_for_the_device():
+    """pick runs while a step (and, with lookahead, the one before) is in flight: nothing in it
+    may synchronize the host with the device."""
+    logits = torch.randn(6, 4096, device="cuda")
+    argmax = torch.argmax(logits, dim=-1)
+    rows = [(1, SamplingParams(temperature=0.7, top_p=0.9, seed=1), 5),
+            (4, SamplingParams(temperature=1.3, top_k=20, seed=2), 9)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        picks = pick(logits, argmax, rows)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert picks.tolist()[0] == int(argmax[0])
