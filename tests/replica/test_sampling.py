@@ -121,3 +121,18 @@ def test_pick_never_waits_for_the_device():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert picks.tolist()[0] == int(argmax[0])
+
+
+def test_the_sampling_bench_prints_and_writes_the_same_tokens(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    path = tmp_path / "sampling.json"
+    out = subprocess.run([sys.executable, "-m", "bench.sampling", "--vocab", "320", "--rows", "1,3",
+                          "--json", str(path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "row by row ms" in out.stdout
+    rows = json.loads(path.read_text())
+    assert [(r["vocab"], r["rows"]) for r in rows] == [(320, 1), (320, 3)]
+    assert all(r["same_tokens"] and r["pick_ms"] > 0 and r["row_by_row_ms"] > 0 for r in rows)

@@ -1,0 +1,68 @@
+"""A step's token picks side by side: `replica.sampling.pick` (all sampled rows at once, where
+the logits are: the engine's path) against `sample` row by row on the host (the reference, and
+what the engine ran before), at real vocabularies (SmolLM2 49,152; Qwen3 151,936). On CUDA the
+row-by-row column includes each row's copy to the host, as the engine paid it. Both give the
+same tokens on CPU (checked here, and in tests/replica/test_sampling.py); this measures only
+time. Prints a table and writes JSON. Not a test.
+
+    python -m bench.sampling [--device cpu|cuda] [--vocab 49152,151936] [--rows 1,8,64] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from replica.sampling import SamplingParams, pick, sample
+
+PARAMS = SamplingParams(temperature=0.8, top_p=0.9, seed=1)  # a chat client's usual settings
+
+
+def ms_per_call(fn, sync, budget_s: float = 0.5) -> float:
+    fn()
+    sync()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < budget_s or n < 2:
+        fn()
+        n += 1
+    sync()
+    return (time.perf_counter() - t0) / n * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--vocab", default="49152,151936")
+    ap.add_argument("--rows", default="1,8,64")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    g = torch.Generator().manual_seed(0)
+    results = []
+    print(f"token picks on {dev}: temperature {PARAMS.temperature}, top-p {PARAMS.top_p}; "
+          f"ms per step (all rows sampled)")
+    print("same: pick gives sample's tokens (on CUDA its float64 softmax may differ in a few bits)")
+    print(f"{'vocab':>7} {'rows':>5} {'pick ms':>8} {'row by row ms':>13} {'ratio':>6} {'same':>5}")
+    for v in (int(x) for x in args.vocab.split(",")):
+        for n in (int(x) for x in args.rows.split(",")):
+            logits = (torch.randn(n, v, generator=g) * 3).to(dev)
+            argmax = torch.argmax(logits, dim=-1)
+            rows = [(i, PARAMS, 100 + i) for i in range(n)]
+            fast = ms_per_call(lambda: pick(logits, argmax, rows), sync)
+            slow = ms_per_call(lambda: [sample(logits[i].cpu(), PARAMS, 100 + i) for i in range(n)], sync)
+            same = pick(logits, argmax, rows).tolist() == [sample(logits[i].cpu(), PARAMS, 100 + i)
+                                                          for i in range(n)]
+            results.append(dict(device=str(dev), vocab=v, rows=n, pick_ms=fast, row_by_row_ms=slow,
+                                same_tokens=same))
+            print(f"{v:>7} {n:>5} {fast:>8.2f} {slow:>13.2f} {slow / fast:>6.1f} {str(same):>5}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
