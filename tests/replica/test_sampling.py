@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from replica.sampling import SamplingParams, pick, sample, uniform
+from replica.sampling import PREFIX, SamplingParams, _draw, _sorted_prefix, pick, sample, uniform
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -104,6 +104,27 @@ def test_pick_gives_each_row_its_own_token_among_any_rows(device):
                 assert got[i] == sample(logits[i].cpu(), p, pos)
             checked += 1
     assert checked > 100
+
+
+def test_the_cpu_path_sorts_only_the_prefix_its_cut_reads_and_gives_samples_tokens():
+    wide = torch.randn(5000, generator=torch.Generator().manual_seed(2)) * 2.0  # a wide nucleus
+    ties = torch.tensor([3.0, 2.0, 2.0, 2.0, 2.0] + [0.0] * 95)  # a tie across the top-k cut
+    for logits, params, prefix in [
+        (wide, SamplingParams(temperature=1.0, top_p=0.9, seed=1), (PREFIX + 1, 5000)),  # grown, not whole
+        (ties, SamplingParams(temperature=1.0, top_k=3, seed=2), (5, 6)),  # the tie taken whole
+        (wide, SamplingParams(temperature=0.7, seed=3), (5000, 5001)),  # no cut: the whole order
+    ]:
+        probs = torch.softmax(logits.to(torch.float64) / params.temperature, dim=-1)
+        head, ids, cum = _sorted_prefix(probs, params)
+        assert prefix[0] <= ids.numel() < prefix[1]
+        full, order = torch.sort(probs, descending=True, stable=True)
+        n = ids.numel()
+        assert torch.equal(ids, order[:n]) and torch.equal(head, full[:n])  # the order's own prefix
+        assert torch.equal(cum, torch.cumsum(full, dim=-1)[:n])  # and its mass, bit for bit
+        drawn = [_draw(logits, params, pos) for pos in range(300)]
+        assert drawn == [sample(logits, params, pos) for pos in range(300)]
+        if params.top_k == 3:
+            assert set(drawn) == {0, 1, 2}  # of the tied four, the lower ids
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
