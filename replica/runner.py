@@ -29,15 +29,14 @@ class StepOutput:
 
 
 class HostRows(Mapping):
-    """chunk index → that chunk's logits on the host, copied from the device on first read (tests
-    read them; the engine does not: its tokens are picked on the device). Rows in `fetched` are
-    here already. Valid until the next execute."""
+    """chunk index → that chunk's logits on the host, copied from the device on first read (once;
+    tests read them; the engine does not: its tokens are picked on the device). Valid
+    until the next execute."""
 
-    def __init__(self, device_logits: torch.Tensor, row_of: dict[int, int],
-                 fetched: dict[int, torch.Tensor]) -> None:
-        """device_logits [R, vocab] fp32, R >= len(row_of); row_of: chunk → its row there;
-        fetched: chunk → [vocab] fp32 on the host, the rows copied already."""
-        self._dev, self._row_of, self._fetched = device_logits, row_of, fetched
+    def __init__(self, device_logits: torch.Tensor, row_of: dict[int, int]) -> None:
+        """device_logits [R, vocab] fp32, R >= len(row_of); row_of: chunk → its row there."""
+        self._dev, self._row_of = device_logits, row_of
+        self._fetched: dict[int, torch.Tensor] = {}  # chunk → [vocab] fp32 on the host
 
     def __getitem__(self, chunk: int) -> torch.Tensor:
         """→ [vocab] fp32 on the host."""
@@ -228,7 +227,7 @@ class ModelRunner:
         sample_chunks = launched.sample_chunks
         row_of = {r: i for i, r in enumerate(sample_chunks)}
         tokens = dict(zip(sample_chunks, launched.ids.tolist()))
-        return StepOutput(HostRows(launched.logits, row_of, {}), launched.hidden, tokens)
+        return StepOutput(HostRows(launched.logits, row_of), launched.hidden, tokens)
 
     def _to_host(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [N] int64 on the device → [N] int64 in a pinned host buffer, copied after the
