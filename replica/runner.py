@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.cpu import torch_on_one_thread
 from replica.graphs import DecodeGraphs
 from replica.kv import KVCache
 from replica.models.transformer import ForwardBatch, PrefillSpan, Transformer
@@ -180,9 +181,16 @@ class ModelRunner:
         draw for the others), so on CUDA only ids cross to the host. feed: the step launched
         before this one, when record was scheduled ahead of it (Scheduler.schedule_ahead):
         each chunk's token is feed's pick of row chunk.feed_row, taken on the device.
-        Decode-only steps replay a CUDA graph; the rest run eagerly."""
+        Decode-only steps replay a CUDA graph; the rest run eagerly. On the CPU torch's own ops
+        run on one thread, the C kernels on their team (kernels/cpu.torch_on_one_thread)."""
         if not record.chunks:
             raise ValueError("launch: an empty step")
+        if self.graphs is None and torch.device(self.model.device).type == "cpu":
+            with torch_on_one_thread():
+                return self._launch(record, feed)
+        return self._launch(record, feed)
+
+    def _launch(self, record: StepRecord, feed: "Launched | None") -> "Launched":
         feed_ids = None if feed is None else feed.picks
         if self.graphs is not None and self.graphs.accepts(record):
             logits, argmax = self.graphs.launch(record, feed_ids)  # [bucket, vocab], [bucket]

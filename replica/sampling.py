@@ -15,11 +15,11 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
+from kernels.cpu import torch_on_one_thread
 from replica.errors import InvalidRequestError
 
 
@@ -135,20 +135,6 @@ def _sorted_prefix(probs: torch.Tensor, params: SamplingParams
         k = min(v, 4 * k)
 
 
-@contextmanager
-def _one_thread():
-    """torch's CPU ops on this thread alone for the block. A vocabulary-sized op would run as an
-    OpenMP parallel region, whose threads then spin-wait for more work and take the cores from
-    the model's C kernels (their own thread pool): measured on the 2-core box, a sampled
-    stream's decode step 22.4 ms against 15.1 with OpenMP's threads passive (greedy 14.1)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
 def _draw(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
     """`sample`'s token for one sampled row (logits [V] fp32 on the CPU), sorting only the
     prefix of the order its top-k / top-p cut reads (tests/replica/test_sampling.py holds it to
@@ -181,7 +167,7 @@ def pick(logits: torch.Tensor, argmax: torch.Tensor, rows: Sequence[tuple[int, S
         return argmax
     dev, v = logits.device, logits.shape[1]
     if dev.type == "cpu":  # row by row, most rows without a full sort, on this thread alone
-        with _one_thread():
+        with torch_on_one_thread():  # kernels/cpu.py says why
             tokens = torch.tensor([_draw(logits[r], p, pos) for r, p, pos in rows], dtype=torch.int64)
         return argmax.index_copy(0, torch.tensor([r for r, _, _ in rows]), tokens)
 
