@@ -150,3 +150,22 @@ def test_every_tile_path_gives_the_same_bits():
                 want = cpu.linear(lin, x, lib=generic)
                 got = cpu.linear(lin, x)
                 assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (fmt, n, k, batch)
+
+
+def test_torch_on_one_thread_keeps_the_kernels_team_and_restores_torch():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with cpu.torch_on_one_thread():
+            assert torch.get_num_threads() == 1
+            assert cpu._threads(1 << 30) == 2 and cpu._threads(1) == 1
+            with cpu.torch_on_one_thread():  # nested: no change
+                assert torch.get_num_threads() == 1 and cpu._threads(1 << 30) == 2
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2 and cpu._threads(1 << 30) == 2
+        with pytest.raises(RuntimeError):
+            with cpu.torch_on_one_thread():
+                raise RuntimeError("a failing step")
+        assert torch.get_num_threads() == 2 and cpu._team is None
+    finally:
+        torch.set_num_threads(before)
