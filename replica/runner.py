@@ -82,6 +82,7 @@ class ModelRunner:
         self.block_size = kv.block_size
         self.fast_prefill = fast_prefill
         cuda = torch.device(model.device).type == "cuda"
+        self._cpu = torch.device(model.device).type == "cpu"
         self.tables = BlockTables()
         self.graphs = DecodeGraphs(model, kv, fast_prefill, self.tables) if cuda else None
         # pinned staging (CUDA) of the picked ids, two buffers used in turn
@@ -185,7 +186,7 @@ class ModelRunner:
         run on one thread, the C kernels on their team (kernels/cpu.torch_on_one_thread)."""
         if not record.chunks:
             raise ValueError("launch: an empty step")
-        if self.graphs is None and torch.device(self.model.device).type == "cpu":
+        if self._cpu:
             with torch_on_one_thread():
                 return self._launch(record, feed)
         return self._launch(record, feed)
