@@ -96,8 +96,8 @@ def torch_on_one_thread():
     region, whose threads then spin-wait for more and take the cores from these kernels' own
     thread pool. Measured on the 2-core box: EngineCore.step on the calling thread, 8 SmolLM2
     streams decoding, 51 ms a step with the step's torch ops (argmax, sampling, small tensor
-    work) parallel, 31-36 ms without; a sampled stream's step 22.4 ms against 15.1 (greedy
-    14.1). Through Engine's loop thread the greedy bench showed no difference. Nested blocks,
+    work) parallel, 31-36 ms without; a sampled stream's step 22.4 ms, 15.1 with OpenMP's
+    threads passive (OMP_WAIT_POLICY=PASSIVE), 14.9-16.4 in this block (greedy 14.1-15.0). Through Engine's loop thread the greedy bench showed no difference. Nested blocks,
     or torch already on one thread: no change. Results never depend on it."""
     global _team
     n = torch.get_num_threads()

@@ -81,8 +81,8 @@ class ModelRunner:
         self.kv = kv
         self.block_size = kv.block_size
         self.fast_prefill = fast_prefill
-        cuda = torch.device(model.device).type == "cuda"
-        self._cpu = torch.device(model.device).type == "cpu"
+        kind = torch.device(model.device).type
+        cuda, self._cpu = kind == "cuda", kind == "cpu"
         self.tables = BlockTables()
         self.graphs = DecodeGraphs(model, kv, fast_prefill, self.tables) if cuda else None
         # pinned staging (CUDA) of the picked ids, two buffers used in turn
@@ -217,7 +217,7 @@ class ModelRunner:
         picks = pick(logits, argmax, sampled)  # [R]
         n = len(sample_chunks)
         out = Launched(record, logits, picks, sample_chunks, hidden_out)
-        if logits.device.type == "cpu":
+        if self._cpu:
             out.ids = picks[:n]
         else:
             out.ids = self._to_host(picks[:n])

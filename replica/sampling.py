@@ -6,8 +6,9 @@ reproducible in any batch, after preemption and after a resume.
 
 `pick` chooses a step's tokens where its logits are (the engine's path: on CUDA the logits never
 cross to the host, and a sampled stream's token can feed the next step on the device); `sample`
-is one stream's token on the host, written for reading, and the reference `pick` is tested
-against (the same operations in the same order, per row).
+is one stream's token on the host, written for reading: the reference `pick` is tested
+against. On a device `pick` runs `sample`'s operations on all rows at once; on the CPU it sorts
+only the part of the order a row's top-k / top-p cut reads (`_draw`), with the same tokens.
 """
 
 from __future__ import annotations
