@@ -38,7 +38,8 @@ def _row(kernel, shape, m, mode, ms, nbytes, flops, copy_gbs, same) -> dict:
     return r
 
 
-def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles, weights=("qkv", "o", "router")) -> list[dict]:
+def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles, weights=("qkv", "o", "router"),
+                 dense_from: int = 256, resident: bool = False) -> list[dict]:
     g = torch.Generator(DEV).manual_seed(0)
     rows = []
     for name, (n, k) in SHAPES.items():
@@ -47,6 +48,7 @@ def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles, weights=("qkv", "
         lin = q4_layout.repack(rand_q4(n, k, g))
         nbytes = lin.qs.nbytes + lin.sm.nbytes
         ms = timed(lambda: triton_f16.dequantize(lin.qs, lin.sm), "dequantize")
+        wt = triton_f16.dequantize(lin.qs, lin.sm) if resident else None
         rows.append(_row("dequant", name, 0, "fp16 W.T", ms, nbytes + 2 * n * k, 0, copy_gbs, True))
         for m in ms_list:
             x = torch.randn(m, k, generator=g, device=DEV)
@@ -59,7 +61,10 @@ def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles, weights=("qkv", "
             modes += [(f"{t.name} split", dict(tile=t, seq=False)) for t in tiles if t.warps == 1]
             modes += [(f"{t.name} seq", dict(tile=t, seq=True)) for t in tiles]
             modes += [(f"dense {t.name}{f' flat{u}' if u else ''}", dict(tile=t, flat=u, f16=1))
-                      for t in dense_tiles for u in (0, 1, 2) if m >= 256]  # u k steps a loop
+                      for t in dense_tiles for u in (0, 1, 2) if m >= dense_from]  # u k steps a loop
+            # the weight dequantized once and kept (fp16 W.T resident): the GEMM alone
+            modes += [(f"resident {t.name}", dict(tile=t, wt=wt, f16=1))
+                      for t in dense_tiles if resident and m >= dense_from]
             plan_tile, plan_seq = triton_q4.plan(lin, m)  # what the engine runs: 32s = 32 rows, seq
             dense = triton_f16.plan(lin, m, x)
             plan = f"dense {dense.name}" if dense else f"{plan_tile.bm}{'s' if plan_seq else 'p'}"
@@ -70,14 +75,15 @@ def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles, weights=("qkv", "
                 run = triton_f16.linear if f16 else triton_linear.linear if plan else triton_q4.linear
                 if f16:
                     try:
-                        triton_f16.check_unroll(kw["flat"], k, lin.split, kw["tile"])
+                        triton_f16.check_unroll(kw.get("flat", 0), k, lin.split, kw["tile"])
                     except ValueError as e:
                         print(f"linear   {name:<8} {m:>5} {label:<22} skipped: {e}", flush=True)
                         continue
                 fn = lambda: run(lin, x, out, **kw)  # noqa: E731
                 ms = timed(fn, label)
                 same = ms == ms and torch.equal(out, ref)
-                rows.append(_row("linear", name, m, label, ms, nbytes + 4 * m * (k + n),
+                wbytes = 2 * n * k if "wt" in kw else nbytes  # a resident mode reads fp16 weights
+                rows.append(_row("linear", name, m, label, ms, wbytes + 4 * m * (k + n),
                                  2 * m * n * k, copy_gbs, same))
     return rows
 
@@ -149,6 +155,9 @@ def main() -> None:
                     help="many-warp fp16 tiles on the weights dequantized once (dense)")
     ap.add_argument("--kernels", action="store_true",
                     help="each dense expert mode's kernels, µs per call (torch.profiler)")
+    ap.add_argument("--dense-from", type=int, default=256, help="rows from which dense modes run")
+    ap.add_argument("--resident", action="store_true",
+                    help="also each dense tile on a weight dequantized beforehand (its GEMM alone)")
     ap.add_argument("--weights", default="qkv,o,router", help=f"linear weights, of {','.join(SHAPES)}")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -159,9 +168,11 @@ def main() -> None:
              for t in args.tiles.split(",") if t]
     dense = [Q4Tile.parse(t) for t in args.dense_tiles.split(",") if t]
     rows = linear_modes(copy_gbs, [int(v) for v in args.ms.split(",") if v], [t for t, _ in tiles], dense,
-                        args.weights.split(","))
-    rows += moe_modes(copy_gbs, [int(v) for v in args.ts.split(",") if v], tiles,
-                      [int(v) or None for v in args.maxnreg.split(",")], dense, args.kernels)
+                        args.weights.split(","), args.dense_from, args.resident)
+    ts = [int(v) for v in args.ts.split(",") if v]
+    if ts:  # --ts "": no MoE rows
+        rows += moe_modes(copy_gbs, ts, tiles,
+                          [int(v) or None for v in args.maxnreg.split(",")], dense, args.kernels)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_gbs": copy_gbs, "rows": rows}, f, indent=1)

@@ -133,8 +133,9 @@ def check_unroll(flat: int, k: int, split: int, tile: Q4Tile) -> None:
 def plan(lin: Q4Linear, rows: int, x: torch.Tensor) -> Q4Tile | None:
     """The dense tile for `rows` rows of x through lin, or None: the q4 tiles (CPU tensors,
     too few rows, a narrow weight). Every choice gives the same bits."""
-    if (x.device.type != "cuda" or q4_layout.DENSE_MIN_ROWS is None
-            or rows < q4_layout.DENSE_MIN_ROWS or lin.out_features < q4_layout.DENSE_MIN_N
+    least = q4_layout.KEEP_F16_MIN_ROWS if lin.wt is not None else q4_layout.DENSE_MIN_ROWS
+    if (x.device.type != "cuda" or least is None
+            or rows < least or lin.out_features < q4_layout.DENSE_MIN_N
             or lin.in_features % LINEAR_TILE.bk):
         return None
     return q4_layout.DENSE_WIDE_TILE if rows >= q4_layout.DENSE_WIDE_ROWS else q4_layout.DENSE_TILE
@@ -142,18 +143,22 @@ def plan(lin: Q4Linear, rows: int, x: torch.Tensor) -> Q4Tile | None:
 
 def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
            residual: torch.Tensor | None = None, tile: Q4Tile | None = None,
-           flat: int = 0) -> torch.Tensor:
+           flat: int = 0, wt: torch.Tensor | None = None) -> torch.Tensor:
     """kernels/triton_q4.py `linear` through the weight dequantized once (fp16 W.T) and a
     many-warp fp16 tile (default: `plan`'s, or DENSE_TILE): the bits of the q4 tiles.
     x [n, K] float32, rounded to fp16 once (as the q4 tile rounds it); flat: the one-loop
     split form, its k steps unrolled this many per iteration (`f16_splits`; slower here, the
-    MoE down projection takes it)."""
+    MoE down projection takes it). wt: lin's weight already dequantized (`dequantize(lin.qs,
+    lin.sm)`, fp16 [K, N]), kept from an earlier call."""
     tile = tile or plan(lin, x.shape[0], x) or q4_layout.DENSE_TILE
     if tile.nb != LINEAR_TILE.nb:
         raise ValueError(f"q4 linear: tile {tile.name} does not match the split tile {LINEAR_TILE.name}")
     n, big_n, k = x.shape[0], lin.out_features, lin.in_features
     check_unroll(flat, k, lin.split, tile)
-    wt = dequantize(lin.qs, lin.sm)
+    if wt is None:
+        wt = dequantize(lin.qs, lin.sm)
+    elif wt.shape != (k, big_n) or wt.dtype != torch.float16 or not wt.is_contiguous():
+        raise ValueError(f"q4 linear: wt must be contiguous fp16 [{k}, {big_n}]")
     x16 = x.to(torch.float16)
     res = residual if residual is not None else out
     _f16_linear_kernel[(triton.cdiv(n, tile.bm), triton.cdiv(big_n, tile.bn))](

@@ -18,7 +18,7 @@ share a weight tile in L2.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -66,8 +66,13 @@ class GpuLinear(Linear):
 
 
 def prepare_linear(lin: Linear, device: str) -> Linear:
-    """The Linear on `device`, in the storage the kernels read (to_gpu_format)."""
-    return to_gpu_format(lin.to(device))
+    """The Linear on `device`, in the storage the kernels read (to_gpu_format); with
+    q4_layout.KEEP_F16 a wide q4 weight on CUDA keeps its fp16 W.T too."""
+    lin = to_gpu_format(lin.to(device))
+    if (q4_layout.KEEP_F16 and isinstance(lin, Q4Linear) and lin.qs.is_cuda and lin.wt is None
+            and lin.out_features >= q4_layout.DENSE_MIN_N):
+        lin = replace(lin, wt=triton_f16.dequantize(lin.qs, lin.sm))
+    return lin
 
 
 def to_gpu_format(lin: Linear) -> Linear:
@@ -212,7 +217,7 @@ def linear(lin: Linear, x: torch.Tensor, out: torch.Tensor | None = None,
         if not isinstance(lin, Q4Linear):
             raise TypeError("q4 weights must be in GPU storage (kernels.triton_linear.to_gpu_format)")
         if tile is None and (dense := triton_f16.plan(lin, n, x)):  # dequantized once, fp16
-            return triton_f16.linear(lin, x, out, residual, dense)
+            return triton_f16.linear(lin, x, out, residual, dense, wt=lin.wt)
         return triton_q4.linear(lin, x, out, residual, tile)
     tile = tile or LINEAR_TILE
     w, s, sw, ss = weight_args(lin)
