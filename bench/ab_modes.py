@@ -35,7 +35,7 @@ def apply(mode: str) -> None:
         q4_layout.DENSE_MIN_ROWS = int(re.search(r'ldense([0-9]+)', mode).group(1))
     if re.search(r'dtile[0-9x]+w[0-9]+s[0-9]+', mode):  # the linear's dense tile below DENSE_WIDE_ROWS
         q4_layout.DENSE_TILE = q4_layout.Q4Tile.parse(re.search(r'dtile([0-9x]+w[0-9]+s[0-9]+)', mode).group(1))
-    if 'keepf16' in mode:  # wide q4 weights also kept as fp16 W.T (dense path without dequantize)
+    if 'keepf16' in mode:  # qkv and o also kept as fp16 W.T (the dense path without a dequantize)
         q4_layout.KEEP_F16 = True
     if re.search(r'kmin[0-9]+', mode):  # rows from which a kept fp16 weight is used
         q4_layout.KEEP_F16_MIN_ROWS = int(re.search(r'kmin([0-9]+)', mode).group(1))

@@ -83,7 +83,7 @@ DENSE_WIDE_TILE = Q4Tile(bm=128, bn=128, nb=2, warps=8, stages=4)
 DENSE_MIN_ROWS: int | None = 256
 DENSE_WIDE_ROWS = 1024
 DENSE_MIN_N = 1024
-# keep each CUDA weight of >= DENSE_MIN_N outputs also dequantized (fp16 W.T, 3.2x its q4
+# the attention projections (qkv, o) on CUDA also kept dequantized (fp16 W.T, 3.2x their q4
 # bytes) for the dense path: no dequantize per call, so it pays from fewer rows
 # (KEEP_F16_MIN_ROWS). Off by default (bench/ab_modes.py "keepf16")
 KEEP_F16 = False

@@ -65,12 +65,12 @@ class GpuLinear(Linear):
                          self.scale.to(device))
 
 
-def prepare_linear(lin: Linear, device: str) -> Linear:
-    """The Linear on `device`, in the storage the kernels read (to_gpu_format); with
-    q4_layout.KEEP_F16 a wide q4 weight on CUDA keeps its fp16 W.T too."""
+def prepare_linear(lin: Linear, device: str, keep_f16: bool = False) -> Linear:
+    """The Linear on `device`, in the storage the kernels read (to_gpu_format); keep_f16 (and
+    q4_layout.KEEP_F16): a q4 weight on CUDA keeps its fp16 W.T too (`Q4Linear.wt`)."""
     lin = to_gpu_format(lin.to(device))
-    if (q4_layout.KEEP_F16 and isinstance(lin, Q4Linear) and lin.qs.is_cuda and lin.wt is None
-            and lin.out_features >= q4_layout.DENSE_MIN_N):
+    if (keep_f16 and q4_layout.KEEP_F16 and isinstance(lin, Q4Linear) and lin.qs.is_cuda
+            and lin.wt is None):
         lin = replace(lin, wt=triton_f16.dequantize(lin.qs, lin.sm))
     return lin
 
