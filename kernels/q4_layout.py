@@ -88,6 +88,7 @@ DENSE_MIN_N = 1024
 # (KEEP_F16_MIN_ROWS). Off by default (bench/ab_modes.py "keepf16")
 KEEP_F16 = False
 KEEP_F16_MIN_ROWS = 64
+KEEP_F16_TILE = Q4Tile(bm=64, bn=64, nb=2, warps=4, stages=4)  # below DENSE_MIN_ROWS
 
 
 def split_count(n: int, k: int, tile: Q4Tile, programs: int | None = None) -> int:

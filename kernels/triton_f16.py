@@ -132,13 +132,16 @@ def check_unroll(flat: int, k: int, split: int, tile: Q4Tile) -> None:
 
 def plan(lin: Q4Linear, rows: int, x: torch.Tensor) -> Q4Tile | None:
     """The dense tile for `rows` rows of x through lin, or None: the q4 tiles (CPU tensors,
-    too few rows, a narrow weight). Every choice gives the same bits."""
-    least = q4_layout.KEEP_F16_MIN_ROWS if lin.wt is not None else q4_layout.DENSE_MIN_ROWS
-    if (x.device.type != "cuda" or least is None
-            or rows < least or lin.out_features < q4_layout.DENSE_MIN_N
+    too few rows, a narrow weight). A weight kept in fp16 (`Q4Linear.wt`) takes it from
+    KEEP_F16_MIN_ROWS rows. Every choice gives the same bits."""
+    if (x.device.type != "cuda" or lin.out_features < q4_layout.DENSE_MIN_N
             or lin.in_features % LINEAR_TILE.bk):
         return None
-    return q4_layout.DENSE_WIDE_TILE if rows >= q4_layout.DENSE_WIDE_ROWS else q4_layout.DENSE_TILE
+    if q4_layout.DENSE_MIN_ROWS is not None and rows >= q4_layout.DENSE_MIN_ROWS:
+        return q4_layout.DENSE_WIDE_TILE if rows >= q4_layout.DENSE_WIDE_ROWS else q4_layout.DENSE_TILE
+    if lin.wt is not None and rows >= q4_layout.KEEP_F16_MIN_ROWS:
+        return q4_layout.KEEP_F16_TILE
+    return None
 
 
 def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
