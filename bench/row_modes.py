@@ -1,13 +1,14 @@
 """Row modes of the q4 GEMM and the MoE experts on the GPU: for each batch size, the decode
 tile with its K splits in parallel programs, the same tile with all splits in one program
 ("seq"), wider row tiles (seq), and the weights dequantized once per call on many-warp fp16
-tiles ("dense", the dequantize included) — time, bandwidth, TFLOP/s, and whether each gives the
+tiles ("dense", the dequantize included; with --resident also on a weight dequantized
+beforehand, as kept by q4_layout.KEEP_F16, on those tiles and on the split programs) — time, bandwidth, TFLOP/s, and whether each gives the
 reference mode's bits (a mode that does not may never be chosen by batch size). The "plan"
 row is what the engine runs (kernels/triton_q4.py `plan`, kernels/triton_moe.py). Not a test.
 
     python -m bench.row_modes [--ms 1,8,64,256,1024,4096] [--tiles 32x64x64w1s3,64x64x64w4s3]
         [--ts 1,2,4,8,16,64,512] [--maxnreg 0,128,112] [--dense-tiles 128x128x64w8s3]
-        [--kernels] [--json out.json]
+        [--kernels] [--dense-from 256] [--resident] [--json out.json]
 """
 
 from __future__ import annotations
@@ -65,6 +66,10 @@ def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles, weights=("qkv", "
             # the weight dequantized once and kept (fp16 W.T resident): the GEMM alone
             modes += [(f"resident {t.name}", dict(tile=t, wt=wt, f16=1))
                       for t in dense_tiles if resident and m >= dense_from]
+            # ... and on the q4 linear's split programs (grid axis 2 the K split)
+            modes += [(f"resident split {t.name}", dict(tile=t, wt=wt, f16=1, seq=False))
+                      for t in [q4_layout.LINEAR_TILE, *dense_tiles] if resident and lin.split > 1
+                      and t.bm >= q4_layout.LINEAR_TILE.bm and t.bn >= q4_layout.LINEAR_TILE.bn]
             plan_tile, plan_seq = triton_q4.plan(lin, m)  # what the engine runs: 32s = 32 rows, seq
             dense = triton_f16.plan(lin, m, x)
             plan = f"dense {dense.name}" if dense else f"{plan_tile.bm}{'s' if plan_seq else 'p'}"
