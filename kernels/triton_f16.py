@@ -19,8 +19,7 @@ import triton.language as tl
 from kernels import q4_layout, triton_pdl
 from kernels.q4_layout import LINEAR_TILE, Q4Linear, Q4Tile
 from kernels.triton_pdl import pdl_wait
-from kernels.triton_q4 import (nibbles, output_tile, split_load_sum, split_range, split_release,
-                               split_store, split_ticket)
+from kernels.triton_q4 import nibbles, output_tile, split_merge, split_range, store_out
 
 DEQUANT_BN = 128  # rows a dequantize program writes (16 KB of fp16 per 32-block)
 
@@ -103,7 +102,7 @@ def _f16_split_kernel(x_ptr, wt_ptr, res_ptr, y_ptr, ws_ptr, tickets_ptr, M, N, 
     """Program (row tile, n-tile, split) of the q4 linear's split programs on the kept fp16
     weight: its split's partial from zero, stored; the last of the tile's S programs sums the
     S partials in split order (kernels/triton_q4.py), so the bits of f16_splits and of the
-    q4 tiles. Weights only before the PDL wait: none (x is the previous kernel's output)."""
+    q4 tiles. Nothing is loaded before the PDL wait (x is the previous kernel's output)."""
     pdl_wait(PDL)
     pid_m, pid_n, offs_m, offs_n, m_mask, n_mask = output_tile(M, N, BM, BN)
     k_lo, k_hi = split_range(K, tl.program_id(2), S, BK)
@@ -113,20 +112,12 @@ def _f16_split_kernel(x_ptr, wt_ptr, res_ptr, y_ptr, ws_ptr, tickets_ptr, M, N, 
     acc = _f16_run(xr, m_mask, wr, n_mask, N, k_lo, k_hi, BM, BN, BK)
     rows = offs_m.to(tl.int64)[:, None]
     mask = m_mask[:, None] & n_mask[None, :]
-    offs = rows * N + offs_n[None, :]
     last = True
     if S > 1:
-        split_stride = M.to(tl.int64) * N
-        ticket = pid_m * tl.num_programs(1) + pid_n
-        split_store(acc, ws_ptr, offs, mask, split_stride)
-        last = split_ticket(tickets_ptr, ticket, S)
-        if last:
-            acc = split_load_sum(ws_ptr, offs, mask, split_stride, S)
-            split_release(tickets_ptr, ticket)
+        acc, last = split_merge(acc, ws_ptr, tickets_ptr, rows * N + offs_n[None, :], mask, M, N,
+                                pid_m, pid_n, S)
     if last:
-        if HAS_RES:
-            acc = tl.load(res_ptr + rows * stride_res + offs_n[None, :], mask=mask, other=0.0) + acc
-        tl.store(y_ptr + rows * stride_y + offs_n[None, :], acc, mask=mask)
+        store_out(acc, res_ptr, y_ptr, rows, offs_n, mask, stride_res, stride_y, HAS_RES)
 
 
 @triton.jit(do_not_specialize=["M", "stride_res", "stride_y"])
@@ -197,7 +188,8 @@ def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
     MoE down projection takes it). wt: lin's weight already dequantized (`dequantize(lin.qs,
     lin.sm)`, fp16 [K, N]), kept from an earlier call. seq=False: the q4 linear's split
     programs on it (grid axis 2 the K split, the last program of a tile merges; x read as
-    fp32 and rounded in the kernel; tile: LINEAR_TILE's rows and columns or fewer tickets)."""
+    fp32 and rounded in the kernel; the tile may need no more tickets than lin holds, as
+    LINEAR_TILE's or a larger one)."""
     tile = tile or plan(lin, x.shape[0], x) or q4_layout.DENSE_TILE
     if tile.nb != LINEAR_TILE.nb:
         raise ValueError(f"q4 linear: tile {tile.name} does not match the split tile {LINEAR_TILE.name}")

@@ -97,8 +97,8 @@ class Transformer:
         experts = tuple((concat_rows([e.gate, e.up]), e.down) for e in w.experts)
         stacked = ops.prepare_experts(experts, dev) if experts else None
         return _Layer(
-            attn_norm=t(w.attn_norm), qkv=lin(concat_rows([w.q, w.k, w.v]), True),
-            o=lin(w.o, True),
+            attn_norm=t(w.attn_norm), qkv=lin(concat_rows([w.q, w.k, w.v]), keep=True),
+            o=lin(w.o, keep=True),
             mlp_norm=t(w.mlp_norm), q_norm=t(w.q_norm), k_norm=t(w.k_norm),
             gate_up=lin(concat_rows([w.gate, w.up])) if dense else None,
             down=lin(w.down) if dense else None,
