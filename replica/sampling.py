@@ -89,12 +89,16 @@ def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
     """Pick the token at `position` from one stream's logits [vocab] (float32).
 
     Runs per stream, so the result depends only on this stream's logits and (seed, position).
+    Tokens are ordered by their logits (a stable sort: ties by token id). Softmax is monotone,
+    so their probabilities come out non-increasing (two logits whose probabilities round equal
+    keep the logits' order), and sorting the float32 logits moves half the bytes of sorting the
+    float64 probabilities.
     """
     if params.greedy:
         return int(torch.argmax(logits))
-    scaled = logits.to(torch.float64) / params.temperature  # [V]
-    probs = torch.softmax(scaled, dim=-1)
-    probs, order = torch.sort(probs, descending=True, stable=True)  # [V], ties by token id
+    probs = torch.softmax(logits.to(torch.float64) / params.temperature, dim=-1)  # [V]
+    order = torch.sort(logits, descending=True, stable=True).indices  # [V], ties by token id
+    probs = probs[order]  # most likely first (the order of the logits is the order of the probs)
     keep = probs.numel()
     if params.top_k > 0:
         keep = min(keep, params.top_k)
@@ -113,23 +117,25 @@ def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
 PREFIX = 256  # the sorted prefix a top-p row tries first (grown 4x until it holds the nucleus)
 
 
-def _sorted_prefix(probs: torch.Tensor, params: SamplingParams
+def _sorted_prefix(logits: torch.Tensor, probs: torch.Tensor, params: SamplingParams
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """probs [V] float64 → (probs, token ids, cumulative mass) of `sample`'s stably sorted order,
-    [M] each: the whole order when params cut nothing (top-p 1, top-k 0), else a prefix long
-    enough for the cut. The prefix is the order's own: every entry >= the k-th largest, in id
-    order, stably sorted (a tie across the boundary is taken whole), and its cumulative mass is
-    the same sequential sum."""
+    """logits [V] float32 and their probs [V] float64 → (probs, token ids, cumulative mass) of
+    `sample`'s order, [M] each: the whole order when params cut nothing (top-p 1, top-k 0),
+    else a prefix long enough for the cut. The prefix is the order's own: every token whose
+    logit is >= the k-th largest, in id order, stably sorted (a tie across the boundary is taken
+    whole), and its cumulative mass is the same sequential sum."""
     v = probs.numel()
     if params.top_k <= 0 and params.top_p >= 1.0:
-        head, ids = torch.sort(probs, descending=True, stable=True)
+        ids = torch.sort(logits, descending=True, stable=True).indices
+        head = probs[ids]
         return head, ids, torch.cumsum(head, dim=-1)
     k = min(v, params.top_k if params.top_k > 0 else PREFIX)
     while True:
-        last = torch.topk(probs, k, sorted=False).values.min()  # the k-th largest
-        ids = torch.nonzero(probs >= last).squeeze(1)  # [M >= k], ascending
-        head, order = torch.sort(probs[ids], descending=True, stable=True)
-        ids, cum = ids[order], torch.cumsum(head, dim=-1)
+        last = torch.topk(logits, k, sorted=False).values.min()  # the k-th largest
+        ids = torch.nonzero(logits >= last).squeeze(1)  # [M >= k], ascending
+        ids = ids[torch.sort(logits[ids], descending=True, stable=True).indices]
+        head = probs[ids]
+        cum = torch.cumsum(head, dim=-1)
         if (ids.numel() == v or (params.top_k > 0 and ids.numel() >= params.top_k)
                 or float(cum[-1]) >= params.top_p):
             return head, ids, cum
@@ -141,7 +147,7 @@ def _draw(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
     prefix of the order its top-k / top-p cut reads (tests/replica/test_sampling.py holds it to
     `sample`)."""
     probs = torch.softmax(logits.to(torch.float64) / params.temperature, dim=-1)  # [V]
-    _, ids, cum = _sorted_prefix(probs, params)
+    _, ids, cum = _sorted_prefix(logits, probs, params)
     keep = probs.numel()
     if params.top_k > 0:
         keep = min(keep, params.top_k)
@@ -160,8 +166,8 @@ def pick(logits: torch.Tensor, argmax: torch.Tensor, rows: Sequence[tuple[int, S
     → [R] int64: argmax, with each sampled row replaced by `sample`'s token for it.
 
     On a device, all sampled rows at once in the same operations as `sample` (float64 softmax,
-    stable descending sort, top-k, then top-p over the sorted cumulative mass, inverse CDF at
-    the row's (seed, position) draw): every operation acts within a row, so a row's token
+    stable descending sort of the logits, top-k, then top-p over the sorted cumulative mass,
+    inverse CDF at the row's (seed, position) draw): every operation acts within a row, so a row's token
     depends on its own logits, params and position only, never on the other rows. On the CPU,
     row by row (`_draw`)."""
     if not rows:
@@ -179,8 +185,10 @@ def pick(logits: torch.Tensor, argmax: torch.Tensor, rows: Sequence[tuple[int, S
 
     index = staged([r for r, _, _ in rows], torch.int64)  # [N]
     temp = staged([[p.temperature] for _, p, _ in rows], torch.float64)  # [N, 1]
-    probs = torch.softmax(logits.index_select(0, index).to(torch.float64) / temp, dim=-1)  # [N, V]
-    probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # ties by token id
+    rows_logits = logits.index_select(0, index)  # [N, V] fp32
+    probs = torch.softmax(rows_logits.to(torch.float64) / temp, dim=-1)  # [N, V]
+    order = torch.sort(rows_logits, dim=-1, descending=True, stable=True).indices  # ties by token id
+    probs = probs.gather(1, order)
     cum = torch.cumsum(probs, dim=-1)  # [N, V]
     keep = staged([[min(v, p.top_k) if p.top_k > 0 else v] for _, p, _ in rows], torch.int64)  # [N, 1]
     if any(p.top_p < 1.0 for _, p, _ in rows):

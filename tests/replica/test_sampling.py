@@ -106,6 +106,22 @@ def test_pick_gives_each_row_its_own_token_among_any_rows(device):
     assert checked > 100
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_k_1_gives_the_greedy_token_even_where_probabilities_round_equal(device):
+    # 1e-30 and 2e-30 (and 0, -1e-30) differ as float32 logits but not as float64 probabilities
+    logits = torch.tensor([[0.0, 1e-30, 2e-30, -1e-30, -5.0],
+                           [-1e-30, 0.0, 0.0, 1e-30, 1e-30],   # a true tie at the top: lower id
+                           [3.0, 3.0, 1.0, 2.0, 0.5]]).to(device)
+    argmax = torch.argmax(logits, dim=-1)
+    assert argmax.tolist() == [2, 3, 0]
+    for temperature in (0.3, 1.0, 2.5):
+        params = SamplingParams(temperature=temperature, top_k=1, seed=9)
+        rows = [(r, params, pos) for r in range(3) for pos in (r,)]
+        assert pick(logits, argmax, rows).tolist() == argmax.tolist()
+        for r in range(3):
+            assert sample(logits[r].cpu(), params, 40 + r) == int(argmax[r])
+
+
 def test_the_cpu_path_sorts_only_the_prefix_its_cut_reads_and_gives_samples_tokens():
     wide = torch.randn(5000, generator=torch.Generator().manual_seed(2)) * 2.0  # a wide nucleus
     ties = torch.tensor([3.0, 2.0, 2.0, 2.0, 2.0] + [0.0] * 95)  # a tie across the top-k cut
@@ -115,9 +131,9 @@ def test_the_cpu_path_sorts_only_the_prefix_its_cut_reads_and_gives_samples_toke
         (wide, SamplingParams(temperature=0.7, seed=3), (5000, 5001)),  # no cut: the whole order
     ]:
         probs = torch.softmax(logits.to(torch.float64) / params.temperature, dim=-1)
-        head, ids, cum = _sorted_prefix(probs, params)
+        head, ids, cum = _sorted_prefix(logits, probs, params)
         assert prefix[0] <= ids.numel() < prefix[1]
-        full, order = torch.sort(probs, descending=True, stable=True)
+        full, order = torch.sort(probs, descending=True, stable=True)  # these probs never tie apart
         n = ids.numel()
         assert torch.equal(ids, order[:n]) and torch.equal(head, full[:n])  # the order's own prefix
         assert torch.equal(cum, torch.cumsum(full, dim=-1)[:n])  # and its mass, bit for bit
