@@ -35,12 +35,6 @@ def apply(mode: str) -> None:
         q4_layout.DENSE_MIN_ROWS = int(re.search(r'ldense([0-9]+)', mode).group(1))
     if re.search(r'dtile[0-9x]+w[0-9]+s[0-9]+', mode):  # the linear's dense tile below DENSE_WIDE_ROWS
         q4_layout.DENSE_TILE = q4_layout.Q4Tile.parse(re.search(r'dtile([0-9x]+w[0-9]+s[0-9]+)', mode).group(1))
-    if 'keepf16' in mode:  # qkv and o also kept as fp16 W.T (the dense path without a dequantize)
-        q4_layout.KEEP_F16 = True
-    if re.search(r'ktile[0-9x]+w[0-9]+s[0-9]+', mode):  # the kept weights' tile below DENSE_MIN_ROWS
-        q4_layout.KEEP_F16_TILE = q4_layout.Q4Tile.parse(re.search(r'ktile([0-9x]+w[0-9]+s[0-9]+)', mode).group(1))
-    if re.search(r'kmin[0-9]+', mode):  # rows from which a kept fp16 weight is used
-        q4_layout.KEEP_F16_MIN_ROWS = int(re.search(r'kmin([0-9]+)', mode).group(1))
     if 'nomid' in mode:  # grouped seq expert launches of 9-32 tokens on the one-warp tile (v11)
         triton_moe.MID_TILE = None
     if 'nooverlap' in mode:  # a step's events delivered after it, not while the next one runs

@@ -1,14 +1,13 @@
 """Row modes of the q4 GEMM and the MoE experts on the GPU: for each batch size, the decode
 tile with its K splits in parallel programs, the same tile with all splits in one program
 ("seq"), wider row tiles (seq), and the weights dequantized once per call on many-warp fp16
-tiles ("dense", the dequantize included; with --resident also on a weight dequantized
-beforehand, as kept by q4_layout.KEEP_F16, on those tiles and on the split programs) — time, bandwidth, TFLOP/s, and whether each gives the
+tiles ("dense", the dequantize included) — time, bandwidth, TFLOP/s, and whether each gives the
 reference mode's bits (a mode that does not may never be chosen by batch size). The "plan"
 row is what the engine runs (kernels/triton_q4.py `plan`, kernels/triton_moe.py). Not a test.
 
     python -m bench.row_modes [--ms 1,8,64,256,1024,4096] [--tiles 32x64x64w1s3,64x64x64w4s3]
         [--ts 1,2,4,8,16,64,512] [--maxnreg 0,128,112] [--dense-tiles 128x128x64w8s3]
-        [--kernels] [--dense-from 256] [--resident] [--json out.json]
+        [--kernels] [--dense-from 256] [--json out.json]
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ def _row(kernel, shape, m, mode, ms, nbytes, flops, copy_gbs, same) -> dict:
 
 
 def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles, weights=("qkv", "o", "router"),
-                 dense_from: int = 256, resident: bool = False) -> list[dict]:
+                 dense_from: int = 256) -> list[dict]:
     g = torch.Generator(DEV).manual_seed(0)
     rows = []
     for name, (n, k) in SHAPES.items():
@@ -49,7 +48,6 @@ def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles, weights=("qkv", "
         lin = q4_layout.repack(rand_q4(n, k, g))
         nbytes = lin.qs.nbytes + lin.sm.nbytes
         ms = timed(lambda: triton_f16.dequantize(lin.qs, lin.sm), "dequantize")
-        wt = triton_f16.dequantize(lin.qs, lin.sm) if resident else None
         rows.append(_row("dequant", name, 0, "fp16 W.T", ms, nbytes + 2 * n * k, 0, copy_gbs, True))
         for m in ms_list:
             x = torch.randn(m, k, generator=g, device=DEV)
@@ -63,13 +61,6 @@ def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles, weights=("qkv", "
             modes += [(f"{t.name} seq", dict(tile=t, seq=True)) for t in tiles]
             modes += [(f"dense {t.name}{f' flat{u}' if u else ''}", dict(tile=t, flat=u, f16=1))
                       for t in dense_tiles for u in (0, 1, 2) if m >= dense_from]  # u k steps a loop
-            # the weight dequantized once and kept (fp16 W.T resident): the GEMM alone
-            modes += [(f"resident {t.name}", dict(tile=t, wt=wt, f16=1))
-                      for t in dense_tiles if resident and m >= dense_from]
-            # ... and on the q4 linear's split programs (grid axis 2 the K split)
-            modes += [(f"resident split {t.name}", dict(tile=t, wt=wt, f16=1, seq=False))
-                      for t in [q4_layout.LINEAR_TILE, *dense_tiles] if resident and lin.split > 1
-                      and t.bm >= q4_layout.LINEAR_TILE.bm and t.bn >= q4_layout.LINEAR_TILE.bn]
             plan_tile, plan_seq = triton_q4.plan(lin, m)  # what the engine runs: 32s = 32 rows, seq
             dense = triton_f16.plan(lin, m, x)
             plan = f"dense {dense.name}" if dense else f"{plan_tile.bm}{'s' if plan_seq else 'p'}"
@@ -87,8 +78,7 @@ def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles, weights=("qkv", "
                 fn = lambda: run(lin, x, out, **kw)  # noqa: E731
                 ms = timed(fn, label)
                 same = ms == ms and torch.equal(out, ref)
-                wbytes = 2 * n * k if "wt" in kw else nbytes  # a resident mode reads fp16 weights
-                rows.append(_row("linear", name, m, label, ms, wbytes + 4 * m * (k + n),
+                rows.append(_row("linear", name, m, label, ms, nbytes + 4 * m * (k + n),
                                  2 * m * n * k, copy_gbs, same))
     return rows
 
@@ -161,8 +151,6 @@ def main() -> None:
     ap.add_argument("--kernels", action="store_true",
                     help="each dense expert mode's kernels, µs per call (torch.profiler)")
     ap.add_argument("--dense-from", type=int, default=256, help="rows from which dense modes run")
-    ap.add_argument("--resident", action="store_true",
-                    help="also each dense tile on a weight dequantized beforehand (its GEMM alone)")
     ap.add_argument("--weights", default="qkv,o,router", help=f"linear weights, of {','.join(SHAPES)}")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -173,7 +161,7 @@ def main() -> None:
              for t in args.tiles.split(",") if t]
     dense = [Q4Tile.parse(t) for t in args.dense_tiles.split(",") if t]
     rows = linear_modes(copy_gbs, [int(v) for v in args.ms.split(",") if v], [t for t, _ in tiles], dense,
-                        args.weights.split(","), args.dense_from, args.resident)
+                        args.weights.split(","), args.dense_from)
     ts = [int(v) for v in args.ts.split(",") if v]
     if ts:  # --ts "": no MoE rows
         rows += moe_modes(copy_gbs, ts, tiles,

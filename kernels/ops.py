@@ -71,14 +71,13 @@ def paged_attention(q, k_cache, v_cache, block_tables, tok_row, ctx_lens, scale:
 
 # ---- weight placement and fused ops (CUDA runs them as one kernel each; CPU keeps the ----------
 # ---- separate ops, so its bits are exactly those of the unfused sequence) ---------------------
-def prepare_linear(lin, device: str, keep_f16: bool = False):
-    """The Linear on `device`, in the storage that device's kernels read; keep_f16: a q4
-    weight on CUDA may also keep its fp16 copy for many rows (kernels/q4_layout.py KEEP_F16)."""
+def prepare_linear(lin, device: str):
+    """The Linear on `device`, in the storage that device's kernels read."""
     if not _triton(device):
         return lin.to(device)
     from kernels import triton_linear
 
-    return triton_linear.prepare_linear(lin, device, keep_f16)
+    return triton_linear.prepare_linear(lin, device)
 
 
 def prepare_experts(experts, device: str):

@@ -83,12 +83,6 @@ DENSE_WIDE_TILE = Q4Tile(bm=128, bn=128, nb=2, warps=8, stages=4)
 DENSE_MIN_ROWS: int | None = 256
 DENSE_WIDE_ROWS = 1024
 DENSE_MIN_N = 1024
-# the attention projections (qkv, o) on CUDA also kept dequantized (fp16 W.T, 3.2x their q4
-# bytes) for the dense path: no dequantize per call, so it pays from fewer rows
-# (KEEP_F16_MIN_ROWS). Off by default (bench/ab_modes.py "keepf16")
-KEEP_F16 = False
-KEEP_F16_MIN_ROWS = 64
-KEEP_F16_TILE = Q4Tile(bm=64, bn=64, nb=2, warps=4, stages=4)  # below DENSE_MIN_ROWS
 
 
 def split_count(n: int, k: int, tile: Q4Tile, programs: int | None = None) -> int:
@@ -109,7 +103,6 @@ class Q4Linear(Linear):
     sm: torch.Tensor | None = None
     split: int = 1
     tickets: torch.Tensor | None = field(default=None, repr=False)
-    wt: torch.Tensor | None = field(default=None, repr=False)  # fp16 W.T [K, N] kept (KEEP_F16)
 
     def __post_init__(self) -> None:
         o, i = self.out_features, self.in_features
@@ -133,8 +126,7 @@ class Q4Linear(Linear):
     def to(self, device: torch.device | str) -> "Q4Linear":
         return Q4Linear("q4", self.out_features, self.in_features, qs=self.qs.to(device),
                         sm=self.sm.to(device), split=self.split,
-                        tickets=None if self.tickets is None else self.tickets.to(device),
-                        wt=None if self.wt is None else self.wt.to(device))
+                        tickets=None if self.tickets is None else self.tickets.to(device))
 
 
 def repack(lin: Linear, tile: Q4Tile = LINEAR_TILE, programs: int | None = None) -> Q4Linear:

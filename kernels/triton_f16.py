@@ -19,7 +19,7 @@ import triton.language as tl
 from kernels import q4_layout, triton_pdl
 from kernels.q4_layout import LINEAR_TILE, Q4Linear, Q4Tile
 from kernels.triton_pdl import pdl_wait
-from kernels.triton_q4 import nibbles, output_tile, split_merge, split_range, store_out
+from kernels.triton_q4 import nibbles, output_tile, split_range
 
 DEQUANT_BN = 128  # rows a dequantize program writes (16 KB of fp16 per 32-block)
 
@@ -77,47 +77,13 @@ def f16_splits(x_ptr, x_rows, row_mask, stride_x, wt_ptr, n0, n_mask, N, K, BM: 
     else:
         for sp in range(S):
             k_lo, k_hi = split_range(K, sp, S, BK)
-            acc = _f16_run(xr, row_mask, wr, n_mask, N, k_lo, k_hi, BM, BN, BK)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for k0 in range(k_lo, k_hi, BK):
+                a = tl.load(xr + k0, mask=row_mask[:, None], other=0.0)
+                b = tl.load(wr + k0 * N, mask=n_mask[None, :], other=0.0)
+                acc = tl.dot(a, b, acc)
             total = tl.where(sp == 0, acc, total + acc)  # p0 exactly, then + p1, + p2, ...
     return total
-
-
-@triton.jit
-def _f16_run(xr, row_mask, wr, n_mask, N, k_lo, k_hi, BM: tl.constexpr, BN: tl.constexpr,
-             BK: tl.constexpr):
-    """[BM, BN] fp32 from zero over k steps k_lo .. k_hi in order (xr: x row pointers + k,
-    wr: W.T column pointers + k * N, as f16_splits makes them): one split's partial."""
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
-        a = tl.load(xr + k0, mask=row_mask[:, None], other=0.0).to(tl.float16)  # fp32 x: rounded here
-        b = tl.load(wr + k0 * N, mask=n_mask[None, :], other=0.0)
-        acc = tl.dot(a, b, acc)
-    return acc
-
-
-@triton.jit(do_not_specialize=["M", "stride_res", "stride_y"])
-def _f16_split_kernel(x_ptr, wt_ptr, res_ptr, y_ptr, ws_ptr, tickets_ptr, M, N, K, stride_x,
-                      stride_res, stride_y, HAS_RES: tl.constexpr, BM: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr, PDL: tl.constexpr):
-    """Program (row tile, n-tile, split) of the q4 linear's split programs on the kept fp16
-    weight: its split's partial from zero, stored; the last of the tile's S programs sums the
-    S partials in split order (kernels/triton_q4.py), so the bits of f16_splits and of the
-    q4 tiles. Nothing is loaded before the PDL wait (x is the previous kernel's output)."""
-    pdl_wait(PDL)
-    pid_m, pid_n, offs_m, offs_n, m_mask, n_mask = output_tile(M, N, BM, BN)
-    k_lo, k_hi = split_range(K, tl.program_id(2), S, BK)
-    kk = tl.arange(0, BK)
-    xr = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x + kk[None, :]
-    wr = wt_ptr + kk[:, None] * N + offs_n[None, :]
-    acc = _f16_run(xr, m_mask, wr, n_mask, N, k_lo, k_hi, BM, BN, BK)
-    rows = offs_m.to(tl.int64)[:, None]
-    mask = m_mask[:, None] & n_mask[None, :]
-    last = True
-    if S > 1:
-        acc, last = split_merge(acc, ws_ptr, tickets_ptr, rows * N + offs_n[None, :], mask, M, N,
-                                pid_m, pid_n, S)
-    if last:
-        store_out(acc, res_ptr, y_ptr, rows, offs_n, mask, stride_res, stride_y, HAS_RES)
 
 
 @triton.jit(do_not_specialize=["M", "stride_res", "stride_y"])
@@ -166,54 +132,30 @@ def check_unroll(flat: int, k: int, split: int, tile: Q4Tile) -> None:
 
 def plan(lin: Q4Linear, rows: int, x: torch.Tensor) -> Q4Tile | None:
     """The dense tile for `rows` rows of x through lin, or None: the q4 tiles (CPU tensors,
-    too few rows, a narrow weight). A weight kept in fp16 (`Q4Linear.wt`) takes it from
-    KEEP_F16_MIN_ROWS rows. Every choice gives the same bits."""
-    if (x.device.type != "cuda" or lin.out_features < q4_layout.DENSE_MIN_N
+    too few rows, a narrow weight). Every choice gives the same bits."""
+    if (x.device.type != "cuda" or q4_layout.DENSE_MIN_ROWS is None
+            or rows < q4_layout.DENSE_MIN_ROWS or lin.out_features < q4_layout.DENSE_MIN_N
             or lin.in_features % LINEAR_TILE.bk):
         return None
-    if q4_layout.DENSE_MIN_ROWS is not None and rows >= q4_layout.DENSE_MIN_ROWS:
-        return q4_layout.DENSE_WIDE_TILE if rows >= q4_layout.DENSE_WIDE_ROWS else q4_layout.DENSE_TILE
-    if lin.wt is not None and rows >= q4_layout.KEEP_F16_MIN_ROWS:
-        return q4_layout.KEEP_F16_TILE
-    return None
+    return q4_layout.DENSE_WIDE_TILE if rows >= q4_layout.DENSE_WIDE_ROWS else q4_layout.DENSE_TILE
 
 
 def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
            residual: torch.Tensor | None = None, tile: Q4Tile | None = None,
-           flat: int = 0, wt: torch.Tensor | None = None, seq: bool = True) -> torch.Tensor:
+           flat: int = 0) -> torch.Tensor:
     """kernels/triton_q4.py `linear` through the weight dequantized once (fp16 W.T) and a
     many-warp fp16 tile (default: `plan`'s, or DENSE_TILE): the bits of the q4 tiles.
     x [n, K] float32, rounded to fp16 once (as the q4 tile rounds it); flat: the one-loop
     split form, its k steps unrolled this many per iteration (`f16_splits`; slower here, the
-    MoE down projection takes it). wt: lin's weight already dequantized (`dequantize(lin.qs,
-    lin.sm)`, fp16 [K, N]), kept from an earlier call. seq=False: the q4 linear's split
-    programs on it (grid axis 2 the K split, the last program of a tile merges; x read as
-    fp32 and rounded in the kernel; the tile may need no more tickets than lin holds, as
-    LINEAR_TILE's or a larger one)."""
+    MoE down projection takes it)."""
     tile = tile or plan(lin, x.shape[0], x) or q4_layout.DENSE_TILE
     if tile.nb != LINEAR_TILE.nb:
         raise ValueError(f"q4 linear: tile {tile.name} does not match the split tile {LINEAR_TILE.name}")
     n, big_n, k = x.shape[0], lin.out_features, lin.in_features
     check_unroll(flat, k, lin.split, tile)
-    if wt is None:
-        wt = dequantize(lin.qs, lin.sm)
-    elif wt.shape != (k, big_n) or wt.dtype != torch.float16 or not wt.is_contiguous():
-        raise ValueError(f"q4 linear: wt must be contiguous fp16 [{k}, {big_n}]")
-    res = residual if residual is not None else out
-    if not seq and lin.split > 1:
-        if flat or lin.tickets is None or lin.tickets.numel() < (
-                q4_layout.SPLIT_ROWS // tile.bm * triton.cdiv(big_n, tile.bn)):
-            raise ValueError("q4 linear: split programs take no flat form and need the tile's tickets")
-        for r0 in range(0, n, q4_layout.SPLIT_ROWS):
-            r1 = min(n, r0 + q4_layout.SPLIT_ROWS)
-            xs, ys, rs = x[r0:r1], out[r0:r1], res[r0:r1]
-            ws = torch.empty(lin.split, r1 - r0, big_n, dtype=torch.float32, device=x.device)
-            _f16_split_kernel[(triton.cdiv(r1 - r0, tile.bm), triton.cdiv(big_n, tile.bn), lin.split)](
-                xs, wt, rs, ys, ws, lin.tickets, r1 - r0, big_n, k, xs.stride(0), rs.stride(0),
-                ys.stride(0), HAS_RES=residual is not None, BM=tile.bm, BN=tile.bn, BK=tile.bk,
-                S=lin.split, num_warps=tile.warps, num_stages=tile.stages, **triton_pdl.launch(x))
-        return out
+    wt = dequantize(lin.qs, lin.sm)
     x16 = x.to(torch.float16)
+    res = residual if residual is not None else out
     _f16_linear_kernel[(triton.cdiv(n, tile.bm), triton.cdiv(big_n, tile.bn))](
         x16, wt, res, out, n, big_n, k, x16.stride(0), res.stride(0), out.stride(0),
         HAS_RES=residual is not None, BM=tile.bm, BN=tile.bn, BK=tile.bk, S=lin.split,

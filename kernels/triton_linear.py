@@ -18,7 +18,7 @@ share a weight tile in L2.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -65,14 +65,9 @@ class GpuLinear(Linear):
                          self.scale.to(device))
 
 
-def prepare_linear(lin: Linear, device: str, keep_f16: bool = False) -> Linear:
-    """The Linear on `device`, in the storage the kernels read (to_gpu_format); keep_f16 (and
-    q4_layout.KEEP_F16): a q4 weight on CUDA keeps its fp16 W.T too (`Q4Linear.wt`)."""
-    lin = to_gpu_format(lin.to(device))
-    if (keep_f16 and q4_layout.KEEP_F16 and isinstance(lin, Q4Linear) and lin.qs.is_cuda
-            and lin.wt is None):
-        lin = replace(lin, wt=triton_f16.dequantize(lin.qs, lin.sm))
-    return lin
+def prepare_linear(lin: Linear, device: str) -> Linear:
+    """The Linear on `device`, in the storage the kernels read (to_gpu_format)."""
+    return to_gpu_format(lin.to(device))
 
 
 def to_gpu_format(lin: Linear) -> Linear:
@@ -217,7 +212,7 @@ def linear(lin: Linear, x: torch.Tensor, out: torch.Tensor | None = None,
         if not isinstance(lin, Q4Linear):
             raise TypeError("q4 weights must be in GPU storage (kernels.triton_linear.to_gpu_format)")
         if tile is None and (dense := triton_f16.plan(lin, n, x)):  # dequantized once, fp16
-            return triton_f16.linear(lin, x, out, residual, dense, wt=lin.wt)
+            return triton_f16.linear(lin, x, out, residual, dense)
         return triton_q4.linear(lin, x, out, residual, tile)
     tile = tile or LINEAR_TILE
     w, s, sw, ss = weight_args(lin)

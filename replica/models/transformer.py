@@ -92,13 +92,12 @@ class Transformer:
     def _fuse(self, w: LayerWeights) -> _Layer:
         dev = self.device
         t = lambda x: None if x is None else x.to(device=dev, dtype=torch.float32)  # noqa: E731
-        lin = lambda x, keep=False: ops.prepare_linear(x, dev, keep)  # noqa: E731
+        lin = lambda x: ops.prepare_linear(x, dev)  # noqa: E731
         dense = w.gate is not None
         experts = tuple((concat_rows([e.gate, e.up]), e.down) for e in w.experts)
         stacked = ops.prepare_experts(experts, dev) if experts else None
         return _Layer(
-            attn_norm=t(w.attn_norm), qkv=lin(concat_rows([w.q, w.k, w.v]), keep=True),
-            o=lin(w.o, keep=True),
+            attn_norm=t(w.attn_norm), qkv=lin(concat_rows([w.q, w.k, w.v])), o=lin(w.o),
             mlp_norm=t(w.mlp_norm), q_norm=t(w.q_norm), k_norm=t(w.k_norm),
             gate_up=lin(concat_rows([w.gate, w.up])) if dense else None,
             down=lin(w.down) if dense else None,

@@ -254,30 +254,6 @@ def test_dense_linear_gives_the_decode_tile_bits(n, k):
     assert rel_err(ref, lin.reference(x) + res.double()) < TOL["q4"]
 
 
-@pytest.mark.parametrize("n,k", [(5120, 2048), (2048, 4096)])
-def test_a_kept_fp16_weight_gives_the_decode_tile_bits_at_any_row_count(n, k, monkeypatch):
-    """qkv and o kept dequantized (q4_layout.KEEP_F16): from KEEP_F16_MIN_ROWS rows the linear
-    runs the fp16 tile on the kept weight, with the decode tile's bits for every row count and
-    for the tiles a decode batch may take."""
-    monkeypatch.setattr(q4_layout, "KEEP_F16", True)
-    g = torch.Generator(DEV).manual_seed(n + k)
-    base = rand_q4(n, k, g)
-    lin = triton_linear.prepare_linear(base, DEV, keep_f16=True)
-    assert lin.wt is not None and torch.equal(lin.wt, triton_f16.dequantize(lin.qs, lin.sm))
-    assert triton_linear.prepare_linear(base, DEV).wt is None  # only where asked
-    tiles = [q4_layout.DENSE_TILE, q4_layout.KEEP_F16_TILE, q4_layout.Q4Tile(64, 32, 2, 4, 4),
-             q4_layout.Q4Tile(16, 64, 2, 1, 4)]
-    for m in (1, 16, q4_layout.KEEP_F16_MIN_ROWS, 64, 200):
-        x = torch.randn(m, k, generator=g, device=DEV)
-        res = torch.randn(m, n, generator=g, device=DEV)
-        ref = triton_q4.linear(lin, x, nan(m, n), res, tile=q4_layout.LINEAR_TILE, seq=False)
-        assert torch.equal(triton_linear.linear(lin, x, nan(m, n), res), ref), m
-        assert (triton_f16.plan(lin, m, x) is not None) == (m >= q4_layout.KEEP_F16_MIN_ROWS)
-        for tile in tiles:
-            out = triton_f16.linear(lin, x, nan(m, n), res, tile=tile, wt=lin.wt)
-            assert torch.equal(out, ref), (m, tile)
-
-
 def test_moe_dense_experts_give_the_split_programs_bits(monkeypatch):
     """Many tokens run the experts dequantized once per call on a many-warp fp16 tile: the
     bits of the q4 expert programs, and the default takes it from DENSE_MIN_TOKENS."""

@@ -157,13 +157,6 @@ def test_q4_dense_linear_matches_the_q4_tile(n, k):
     steps = k // (lin.split * SMALL_DENSE.bk)  # (72, 2048): 2 k steps a split
     unrolled = triton_f16.linear(lin, x, nan(37, n), res, tile=SMALL_DENSE, flat=steps)
     assert torch.equal(flat, nested) and torch.equal(unrolled, nested)
-    kept = triton_f16.dequantize(lin.qs, lin.sm)  # a weight dequantized earlier and kept
-    assert torch.equal(triton_f16.linear(lin, x, nan(37, n), res, tile=SMALL_DENSE, wt=kept), nested)
-    split = triton_f16.linear(lin, x, nan(37, n), res, tile=q4_layout.LINEAR_TILE, wt=kept, seq=False)
-    assert torch.equal(split, nested)  # the split programs on the kept weight, merged in order
-    assert not lin.tickets.any()  # every tile's ticket counter reset by its last program
-    with pytest.raises(ValueError, match="wt must be"):
-        triton_f16.linear(lin, x, nan(37, n), res, tile=SMALL_DENSE, wt=kept.T)
     with pytest.raises(ValueError, match="divide"):
         triton_f16.linear(lin, x, nan(37, n), res, tile=SMALL_DENSE, flat=steps + 1)
     with pytest.raises(ValueError, match="shared memory"):  # 8 stages of 128 x 128: 256 KB
