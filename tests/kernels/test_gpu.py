@@ -23,8 +23,7 @@ pytest.importorskip("triton")
 from kernels import (cpu, moe_layout, q4_layout, triton_attention, triton_f16, triton_linear,  # noqa: E402
                      triton_moe, triton_moe_route, triton_norm, triton_pdl, triton_q4)
 from kernels.linear import Linear, quantize_q8  # noqa: E402
-from replica.models.synthetic import synthetic_model  # noqa: E402
-from tests.replica.schedules import StreamSpec, run_schedule, run_solo, small_core  # noqa: E402
+from tests.replica.schedules import StreamSpec, loaded, run_schedule, run_solo, small_core  # noqa: E402
 
 DEV = "cuda"
 TOL = {"f32": 1e-5, "q4": 5e-3, "q8": 5e-3}
@@ -337,11 +336,6 @@ def test_pdl_launches_change_no_bits_in_a_graph(monkeypatch):
 
 
 # ---- the engine on CUDA -------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def loaded(preset: str, device: str = "cpu"):
-    return synthetic_model(preset, seed=7, device=device)
-
-
 def test_engine_cuda_matches_cpu_greedy_tokens():
     from replica.core import EngineCore
     from replica.config import EngineConfig

@@ -3,6 +3,7 @@ checking isolation (KV of continuing streams never changes) and integrity at eve
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 
@@ -10,8 +11,27 @@ import torch
 
 from replica.config import EngineConfig
 from replica.core import EngineCore
+from replica.models.synthetic import synthetic_model
 from replica.request import Request
 from replica.sampling import SamplingParams
+
+
+FRESH_PRESETS = {"qwen3-30b-a3b-int4"}  # drawn per call, never cached (loaded says why)
+
+
+@functools.lru_cache(maxsize=None)
+def _cached(preset: str, device: str):
+    return synthetic_model(preset, seed=7, device=device)
+
+
+def loaded(preset: str, device: str = "cpu"):
+    """The preset's synthetic weights (seed 7), cached per process, except the 30B preset: it
+    is drawn afresh each time (~6 s on the device) and never held between tests, since one
+    cached copy (21 GB) beside an engine's prepared copy (18 GB) and a 20 GB pool, plus
+    another test file's cached copy, ran an 80 GB H100 out of memory."""
+    if preset in FRESH_PRESETS:
+        return synthetic_model(preset, seed=7, device=device)
+    return _cached(preset, device)
 
 
 @dataclass(frozen=True)

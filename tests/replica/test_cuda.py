@@ -8,7 +8,6 @@ Run on the GPU machine (every test here has "cuda" in its name):
 
 from __future__ import annotations
 
-import functools
 import gc
 import time
 
@@ -24,23 +23,9 @@ from replica.core import EngineCore  # noqa: E402
 from replica.kv import KVCache  # noqa: E402
 from replica.models.synthetic import synthetic_model  # noqa: E402
 from tests.replica.near_ties import assert_parts_only_at_near_ties  # noqa: E402
-from tests.replica.schedules import StreamSpec, run_schedule, run_solo, small_core  # noqa: E402
+from tests.replica.schedules import StreamSpec, loaded, run_schedule, run_solo, small_core  # noqa: E402
 
 SMALL = "small-qwen3-moe-q4"  # head_dim 128, GQA 4:1, q4 experts, 40,960 positions
-
-
-@functools.lru_cache(maxsize=None)
-def _cached(preset: str, device: str):
-    return synthetic_model(preset, seed=7, device=device)
-
-
-def loaded(preset: str, device: str = "cpu"):
-    """The preset's weights (seed 7). The 30B preset is drawn afresh each time (~6 s on the
-    device) and not kept: its 22 GB held across tests, beside an engine's prepared copy and a
-    20 GB pool, did not fit an 80 GB H100."""
-    if preset == "qwen3-30b-a3b-int4":
-        return synthetic_model(preset, seed=7, device=device)
-    return _cached(preset, device)
 
 
 def release() -> None:
