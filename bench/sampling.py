@@ -45,7 +45,7 @@ def main() -> None:
     results = []
     print(f"token picks on {dev}: temperature {PARAMS.temperature}, top-p {PARAMS.top_p}; "
           f"ms per step (all rows sampled)")
-    print("same: pick gives sample's tokens (on CUDA its float64 softmax may differ in a few bits)")
+    print("same: pick gives sample's tokens (on CUDA its masses are summed in another order)")
     print(f"{'vocab':>7} {'rows':>5} {'pick ms':>8} {'row by row ms':>13} {'ratio':>6} {'same':>5}")
     for v in (int(x) for x in args.vocab.split(",")):
         for n in (int(x) for x in args.rows.split(",")):

@@ -165,11 +165,13 @@ def pick(logits: torch.Tensor, argmax: torch.Tensor, rows: Sequence[tuple[int, S
     greedy pick, first index on ties), rows: (row, params, position) of each sampled row.
     → [R] int64: argmax, with each sampled row replaced by `sample`'s token for it.
 
-    On a device, all sampled rows at once in the same operations as `sample` (float64 softmax,
-    stable descending sort of the logits, top-k, then top-p over the sorted cumulative mass,
-    inverse CDF at the row's (seed, position) draw): every operation acts within a row, so a row's token
-    depends on its own logits, params and position only, never on the other rows. On the CPU,
-    row by row (`_draw`)."""
+    On a device, all sampled rows at once: one stable descending sort of their logits, then
+    kernels/triton_sample.py `draw` (a program per row: `sample`'s float64 softmax, top-k and
+    top-p cut and inverse CDF at the row's (seed, position) draw, its masses summed in another
+    order, so `sample`'s token but where the draw falls within rounding of a boundary). Every
+    operation acts within a row, so a row's token depends on its own logits, params and
+    position only, never on the other rows. On the CPU, row by row (`_draw`: `sample`'s
+    token, bit for bit)."""
     if not rows:
         return argmax
     dev, v = logits.device, logits.shape[1]
@@ -184,19 +186,14 @@ def pick(logits: torch.Tensor, argmax: torch.Tensor, rows: Sequence[tuple[int, S
         return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
 
     index = staged([r for r, _, _ in rows], torch.int64)  # [N]
-    temp = staged([[p.temperature] for _, p, _ in rows], torch.float64)  # [N, 1]
-    rows_logits = logits.index_select(0, index)  # [N, V] fp32
-    probs = torch.softmax(rows_logits.to(torch.float64) / temp, dim=-1)  # [N, V]
-    order = torch.sort(rows_logits, dim=-1, descending=True, stable=True).indices  # ties by token id
-    probs = probs.gather(1, order)
-    cum = torch.cumsum(probs, dim=-1)  # [N, V]
-    keep = staged([[min(v, p.top_k) if p.top_k > 0 else v] for _, p, _ in rows], torch.int64)  # [N, 1]
-    if any(p.top_p < 1.0 for _, p, _ in rows):
-        # smallest prefix whose mass reaches top_p (always at least one token)
-        top_p = staged([[p.top_p] for _, p, _ in rows], torch.float64)  # [N, 1]
-        reach = torch.searchsorted(cum, top_p) + 1  # [N, 1]
-        keep = torch.minimum(keep, torch.where(top_p >= 1.0, keep, reach))
-    total = cum.gather(1, keep - 1)  # [N, 1]: the kept mass
-    u = staged([[uniform(p.seed, pos)] for _, p, pos in rows], torch.float64)  # [N, 1]
-    at = torch.minimum(torch.searchsorted(cum, u * total, right=True), keep - 1)  # [N, 1]
-    return argmax.index_copy(0, index, order.gather(1, at).squeeze(1))
+    from kernels import triton_sample  # Triton only where a device runs it
+
+    # the rows' logits sorted most likely first (ties by token id); the kernel scans each row's
+    # mass only as far as its cut (kernels/triton_sample.py)
+    vals, order = torch.sort(logits.index_select(0, index), dim=-1, descending=True, stable=True)
+    tokens = triton_sample.draw(
+        vals, order, staged([p.temperature for _, p, _ in rows], torch.float64),
+        staged([min(v, p.top_k) if p.top_k > 0 else v for _, p, _ in rows], torch.int64),
+        staged([p.top_p for _, p, _ in rows], torch.float64),
+        staged([uniform(p.seed, pos) for _, p, pos in rows], torch.float64))
+    return argmax.index_copy(0, index, tokens)

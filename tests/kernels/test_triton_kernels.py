@@ -449,6 +449,52 @@ def test_moe_direct_slots_give_the_grouped_bits(monkeypatch):
     assert rel_err(direct[1], ref) < TOL["q4"]
 
 
+# ---- the draw of sampled tokens -----------------------------------------------------------------
+def test_draw_gives_samples_token_for_each_row_alone_or_among_others():
+    """kernels/triton_sample.py `draw` on rows sorted as replica/sampling.py `pick` sorts them:
+    the token `sample` draws from the unsorted row (top-k, top-p, temperature, ties and long
+    tied runs, cuts inside and across scan blocks), and a row's token is the same alone."""
+    import random
+
+    from kernels import triton_sample
+    from replica.sampling import SamplingParams, sample, uniform
+
+    f64 = lambda xs: torch.tensor(xs, dtype=torch.float64)  # noqa: E731
+    rng, checked = random.Random(1), 0
+    for trial in range(24):
+        v = rng.choice([7, 50, 320, 4096, 5000])  # 4096 and 5000: two and three scan blocks
+        g = torch.Generator().manual_seed(trial)
+        logits = torch.randn(rng.randint(1, 5), v, generator=g) * rng.choice([0.1, 1.0, 5.0])
+        if trial % 5 == 0:
+            logits[:, : v // 2] = logits[0, 0]
+        params = [SamplingParams(temperature=rng.choice([0.3, 0.8, 1.0, 2.5]),
+                                 top_p=rng.choice([1.0, 0.9, 0.5, 0.05, 0.999]),
+                                 top_k=rng.choice([0, 0, 1, 5, 100, 3000]), seed=rng.randint(0, 2**40))
+                  for _ in logits]
+        pos = [rng.randint(0, 5000) for _ in logits]
+        vals, ids = torch.sort(logits, dim=-1, descending=True, stable=True)
+        args = (f64([p.temperature for p in params]),
+                torch.tensor([min(v, p.top_k) if p.top_k > 0 else v for p in params]),
+                f64([p.top_p for p in params]), f64([uniform(p.seed, q) for p, q in zip(params, pos)]))
+        got = triton_sample.draw(vals, ids, *args).tolist()
+        assert got == [sample(row, p, q) for row, p, q in zip(logits, params, pos)], trial
+        for i in range(len(got)):
+            alone = triton_sample.draw(vals[i:i + 1], ids[i:i + 1], *(a[i:i + 1] for a in args))
+            assert alone.item() == got[i]
+        checked += len(got)
+    assert checked > 50
+    # a mass that reaches top_p exactly: the cut keeps that prefix (two equal halves, top-p 0.5)
+    half = torch.tensor([[1.0, 1.0]]).expand(20, 2).contiguous()
+    vals, ids = torch.sort(half, dim=-1, descending=True, stable=True)
+    args = (f64([1.0] * 20), torch.full((20,), 2), f64([0.5] * 20), f64([uniform(9, q) for q in range(20)]))
+    assert triton_sample.draw(vals, ids, *args).tolist() == [0] * 20 == [
+        sample(half[0], SamplingParams(temperature=1.0, top_p=0.5, seed=9), q) for q in range(20)]
+    with pytest.raises(ValueError, match="float32"):
+        triton_sample.draw(vals.double(), ids, *args)
+    with pytest.raises(ValueError, match="keep"):
+        triton_sample.draw(vals, ids, args[0], args[1].int(), *args[2:])
+
+
 # ---- the fused CUDA forward, interpreted, vs the CPU engine ----------------------------------------
 def test_fused_forward_greedy_tokens_equal_cpu_engine(monkeypatch):
     from kernels import ops

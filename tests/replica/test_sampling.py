@@ -100,8 +100,9 @@ def test_pick_gives_each_row_its_own_token_among_any_rows(device):
         for i, p, pos in rows:
             alone = pick(logits[i:i + 1], argmax[i:i + 1], [(0, p, pos)]).item()
             assert got[i] == alone  # the same token alone as among the others
-            if device == "cpu":  # the reference, row by row, on the same bits
-                assert got[i] == sample(logits[i].cpu(), p, pos)
+            # the reference, row by row (on CUDA the draw kernel sums the masses in another
+            # order: the same token unless a draw falls within rounding of a boundary)
+            assert got[i] == sample(logits[i].cpu(), p, pos)
             checked += 1
     assert checked > 100
 
