@@ -3,7 +3,8 @@ the logits are: the engine's path) against `sample` row by row on the host (the 
 what the engine ran before), at real vocabularies (SmolLM2 49,152; Qwen3 151,936). On CUDA the
 row-by-row column includes each row's copy to the host, as the engine paid it. Both give the
 same tokens on CPU (checked here, and in tests/replica/test_sampling.py); this measures only
-time. Prints a table and writes JSON. Not a test.
+time. On a device pick is also timed with the draw kernel (replica/sampling.py DRAW_KERNEL,
+kernels/triton_sample.py): the "kernel ms" column. Prints a table and writes JSON. Not a test.
 
     python -m bench.sampling [--device cpu|cuda] [--vocab 49152,151936] [--rows 1,8,64] [--json out.json]
 """
@@ -16,6 +17,7 @@ import time
 
 import torch
 
+from replica import sampling
 from replica.sampling import SamplingParams, pick, sample
 
 PARAMS = SamplingParams(temperature=0.8, top_p=0.9, seed=1)  # a chat client's usual settings
@@ -46,19 +48,28 @@ def main() -> None:
     print(f"token picks on {dev}: temperature {PARAMS.temperature}, top-p {PARAMS.top_p}; "
           f"ms per step (all rows sampled)")
     print("same: pick gives sample's tokens (on CUDA its masses are summed in another order)")
-    print(f"{'vocab':>7} {'rows':>5} {'pick ms':>8} {'row by row ms':>13} {'ratio':>6} {'same':>5}")
+    kernel = dev.type != "cpu"  # on a device also pick with the draw kernel (DRAW_KERNEL)
+    print(f"{'vocab':>7} {'rows':>5} {'pick ms':>8} {'row by row ms':>13} {'ratio':>6} {'same':>5}"
+          + (f" {'kernel ms':>9} {'same':>5}" if kernel else ""))
     for v in (int(x) for x in args.vocab.split(",")):
         for n in (int(x) for x in args.rows.split(",")):
             logits = (torch.randn(n, v, generator=g) * 3).to(dev)
             argmax = torch.argmax(logits, dim=-1)
             rows = [(i, PARAMS, 100 + i) for i in range(n)]
-            fast = ms_per_call(lambda: pick(logits, argmax, rows), sync)
+            want = [sample(logits[i].cpu(), PARAMS, 100 + i) for i in range(n)]
             slow = ms_per_call(lambda: [sample(logits[i].cpu(), PARAMS, 100 + i) for i in range(n)], sync)
-            same = pick(logits, argmax, rows).tolist() == [sample(logits[i].cpu(), PARAMS, 100 + i)
-                                                          for i in range(n)]
-            results.append(dict(device=str(dev), vocab=v, rows=n, pick_ms=fast, row_by_row_ms=slow,
-                                same_tokens=same))
-            print(f"{v:>7} {n:>5} {fast:>8.2f} {slow:>13.2f} {slow / fast:>6.1f} {str(same):>5}")
+            row = dict(device=str(dev), vocab=v, rows=n, row_by_row_ms=slow)
+            for on in (False, True) if kernel else (False,):
+                sampling.DRAW_KERNEL = on
+                key = "kernel" if on else "pick"
+                row[f"{key}_ms"] = ms_per_call(lambda: pick(logits, argmax, rows), sync)
+                row[f"{key}_same_tokens"] = pick(logits, argmax, rows).tolist() == want
+            sampling.DRAW_KERNEL = False
+            row["same_tokens"] = row["pick_same_tokens"]
+            results.append(row)
+            print(f"{v:>7} {n:>5} {row['pick_ms']:>8.2f} {slow:>13.2f} {slow / row['pick_ms']:>6.1f} "
+                  f"{str(row['same_tokens']):>5}"
+                  + (f" {row['kernel_ms']:>9.2f} {str(row['kernel_same_tokens']):>5}" if kernel else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -114,6 +114,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
     return int(order[idx])
 
 
+# pick on a device: kernels/triton_sample.py draws each row (no [rows, vocab] float64 tensors).
+# Off until it has run on a GPU (written when the fourteenth session's device time was spent;
+# interpreter-tested against `sample`; bench/ab_modes.py "drawkernel" turns it on)
+DRAW_KERNEL = False
+
 PREFIX = 256  # the sorted prefix a top-p row tries first (grown 4x until it holds the nucleus)
 
 
@@ -166,19 +171,27 @@ def pick(logits: torch.Tensor, argmax: torch.Tensor, rows: Sequence[tuple[int, S
     → [R] int64: argmax, with each sampled row replaced by `sample`'s token for it.
 
     On a device, all sampled rows at once: one stable descending sort of their logits, then
-    kernels/triton_sample.py `draw` (a program per row: `sample`'s float64 softmax, top-k and
-    top-p cut and inverse CDF at the row's (seed, position) draw, its masses summed in another
-    order, so `sample`'s token but where the draw falls within rounding of a boundary). Every
-    operation acts within a row, so a row's token depends on its own logits, params and
+    `sample`'s float64 softmax, top-k and top-p cut and inverse CDF at the row's (seed,
+    position) draw — as [N, V] tensors, or with DRAW_KERNEL one program a row
+    (kernels/triton_sample.py `draw`). The masses are summed in another order than on the
+    host, so it is `sample`'s token but where a draw falls within rounding of a boundary.
+    Every operation acts within a row, so a row's token depends on its own logits, params and
     position only, never on the other rows. On the CPU, row by row (`_draw`: `sample`'s
     token, bit for bit)."""
     if not rows:
         return argmax
-    dev, v = logits.device, logits.shape[1]
-    if dev.type == "cpu":  # row by row, most rows without a full sort, on this thread alone
+    if logits.device.type == "cpu":  # row by row, most rows without a full sort, on this thread alone
         with torch_on_one_thread():  # kernels/cpu.py says why
             tokens = torch.tensor([_draw(logits[r], p, pos) for r, p, pos in rows], dtype=torch.int64)
         return argmax.index_copy(0, torch.tensor([r for r, _, _ in rows]), tokens)
+    return _pick_sorted(logits, argmax, rows)
+
+
+def _pick_sorted(logits: torch.Tensor, argmax: torch.Tensor,
+                 rows: Sequence[tuple[int, SamplingParams, int]]) -> torch.Tensor:
+    """`pick` on a device: every sampled row at once, from one sort (runs on any device; the
+    tests run it on the CPU too)."""
+    dev, v = logits.device, logits.shape[1]
 
     def staged(values: list, dtype: torch.dtype) -> torch.Tensor:
         # non_blocking: the host does not wait for the step in flight (a blocking copy would
@@ -186,14 +199,24 @@ def pick(logits: torch.Tensor, argmax: torch.Tensor, rows: Sequence[tuple[int, S
         return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
 
     index = staged([r for r, _, _ in rows], torch.int64)  # [N]
-    from kernels import triton_sample  # Triton only where a device runs it
+    rows_logits = logits.index_select(0, index)  # [N, V] fp32
+    # the rows' logits sorted most likely first (ties by token id)
+    vals, order = torch.sort(rows_logits, dim=-1, descending=True, stable=True)
+    temp = staged([p.temperature for _, p, _ in rows], torch.float64)  # [N]
+    keep = staged([min(v, p.top_k) if p.top_k > 0 else v for _, p, _ in rows], torch.int64)
+    top_p = staged([p.top_p for _, p, _ in rows], torch.float64)
+    u = staged([uniform(p.seed, pos) for _, p, pos in rows], torch.float64)
+    if DRAW_KERNEL:  # the mass scanned only as far as each row's cut (kernels/triton_sample.py)
+        from kernels import triton_sample  # Triton only where a device runs it
 
-    # the rows' logits sorted most likely first (ties by token id); the kernel scans each row's
-    # mass only as far as its cut (kernels/triton_sample.py)
-    vals, order = torch.sort(logits.index_select(0, index), dim=-1, descending=True, stable=True)
-    tokens = triton_sample.draw(
-        vals, order, staged([p.temperature for _, p, _ in rows], torch.float64),
-        staged([min(v, p.top_k) if p.top_k > 0 else v for _, p, _ in rows], torch.int64),
-        staged([p.top_p for _, p, _ in rows], torch.float64),
-        staged([uniform(p.seed, pos) for _, p, pos in rows], torch.float64))
+        tokens = triton_sample.draw(vals, order, temp, keep, top_p, u)
+    else:  # [N, V] float64 tensors: the probabilities in order and their cumulative mass
+        probs = torch.softmax(rows_logits.to(torch.float64) / temp[:, None], dim=-1).gather(1, order)
+        cum = torch.cumsum(probs, dim=-1)
+        # smallest prefix whose mass reaches top_p (always at least one token; top_p 1: no cut)
+        reach = torch.searchsorted(cum, top_p[:, None]) + 1  # [N, 1]
+        keep = torch.minimum(keep[:, None], torch.where(top_p[:, None] >= 1.0, keep[:, None], reach))
+        total = cum.gather(1, keep - 1)  # [N, 1]: the kept mass
+        at = torch.minimum(torch.searchsorted(cum, u[:, None] * total, right=True), keep - 1)
+        tokens = order.gather(1, at).squeeze(1)
     return argmax.index_copy(0, index, tokens)

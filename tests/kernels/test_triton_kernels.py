@@ -489,6 +489,19 @@ def test_draw_gives_samples_token_for_each_row_alone_or_among_others():
     args = (f64([1.0] * 20), torch.full((20,), 2), f64([0.5] * 20), f64([uniform(9, q) for q in range(20)]))
     assert triton_sample.draw(vals, ids, *args).tolist() == [0] * 20 == [
         sample(half[0], SamplingParams(temperature=1.0, top_p=0.5, seed=9), q) for q in range(20)]
+    # and wired into pick's device path (replica/sampling.py DRAW_KERNEL), here on CPU tensors
+    from replica import sampling
+
+    logits = torch.randn(6, 4100, generator=torch.Generator().manual_seed(5)) * 2.0
+    rows = [(i, SamplingParams(temperature=0.7, top_p=0.9, top_k=[0, 40][i % 2], seed=i), 7 * i)
+            for i in (0, 2, 3, 5)]
+    want = sampling._pick_sorted(logits, torch.argmax(logits, dim=-1), rows)
+    sampling.DRAW_KERNEL = True
+    try:
+        assert torch.equal(sampling._pick_sorted(logits, torch.argmax(logits, dim=-1), rows), want)
+    finally:
+        sampling.DRAW_KERNEL = False
+    assert [want[i].item() for i, _, _ in rows] == [sample(logits[i], p, q) for i, p, q in rows]
     with pytest.raises(ValueError, match="float32"):
         triton_sample.draw(vals.double(), ids, *args)
     with pytest.raises(ValueError, match="keep"):

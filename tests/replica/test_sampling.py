@@ -10,9 +10,13 @@ import random
 import pytest
 import torch
 
-from replica.sampling import PREFIX, SamplingParams, _draw, _sorted_prefix, pick, sample, uniform
+from replica import sampling
+from replica.sampling import (PREFIX, SamplingParams, _draw, _pick_sorted, _sorted_prefix, pick, sample,
+                              uniform)
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# (device, replica.sampling.DRAW_KERNEL): on CUDA with and without the draw kernel
+PATHS = [("cpu", False)] + ([("cuda", False), ("cuda", True)] if torch.cuda.is_available() else [])
 
 
 def filtered(logits: list[float], p: SamplingParams) -> list[float]:
@@ -84,8 +88,9 @@ def cases(seed: int):
         yield logits, rows
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_pick_gives_each_row_its_own_token_among_any_rows(device):
+@pytest.mark.parametrize("device,kernel", PATHS)
+def test_pick_gives_each_row_its_own_token_among_any_rows(device, kernel, monkeypatch):
+    monkeypatch.setattr(sampling, "DRAW_KERNEL", kernel)
     checked = 0
     for logits, rows in cases(1):
         logits = logits.to(device)
@@ -123,6 +128,21 @@ def test_top_k_1_gives_the_greedy_token_even_where_probabilities_round_equal(dev
             assert sample(logits[r].cpu(), params, 40 + r) == int(argmax[r])
 
 
+def test_the_device_path_gives_samples_tokens_on_the_cpu_too():
+    """pick's device path (`_pick_sorted`: every row from one sort, [N, V] float64 masses) run on
+    CPU tensors: `sample`'s token for every sampled row, the argmax for the others."""
+    checked = 0
+    for logits, rows in cases(2):
+        argmax = torch.argmax(logits, dim=-1)
+        got = _pick_sorted(logits, argmax, rows).tolist() if rows else argmax.tolist()
+        want = argmax.tolist()
+        for i, p, pos in rows:
+            want[i] = sample(logits[i], p, pos)
+            checked += 1
+        assert got == want
+    assert checked > 100
+
+
 def test_the_cpu_path_sorts_only_the_prefix_its_cut_reads_and_gives_samples_tokens():
     wide = torch.randn(5000, generator=torch.Generator().manual_seed(2)) * 2.0  # a wide nucleus
     ties = torch.tensor([3.0, 2.0, 2.0, 2.0, 2.0] + [0.0] * 95)  # a tie across the top-k cut
@@ -145,9 +165,13 @@ def test_the_cpu_path_sorts_only_the_prefix_its_cut_reads_and_gives_samples_toke
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_pick_never_waits_for_the_device():
+@pytest.mark.parametrize("kernel", [False, True])
+def test_pick_never_waits_for_the_device(kernel, monkeypatch):
     """pick runs while a step (and, with lookahead, the one before) is in flight: nothing in it
     may synchronize the host with the device."""
+    monkeypatch.setattr(sampling, "DRAW_KERNEL", kernel)
+    pick(torch.randn(2, 64, device="cuda"), torch.zeros(2, dtype=torch.int64, device="cuda"),
+         [(0, SamplingParams(temperature=1.0, seed=0), 0)])  # first use (a kernel's compile) first
     logits = torch.randn(6, 4096, device="cuda")
     argmax = torch.argmax(logits, dim=-1)
     rows = [(1, SamplingParams(temperature=0.7, top_p=0.9, seed=1), 5),
