@@ -24,7 +24,8 @@ BLOCK = 2048  # vocabulary entries a program scans per step
 
 @triton.jit
 def _block_cum(vals_ptr, i0, V, top, temp, z, carry, BLOCK: tl.constexpr):
-    """(entries i0 .. i0 + BLOCK, their cumulative masses from carry [BLOCK] fp64, in range)."""
+    """Block i0 of a sorted row → (its offsets, the cumulative masses up to each entry [BLOCK]
+    fp64: carry plus the block's own, which entries lie inside the row)."""
     offs = i0 + tl.arange(0, BLOCK)
     inside = offs < V
     v = tl.load(vals_ptr + offs, mask=inside, other=0.0).to(tl.float64)

@@ -180,7 +180,7 @@ def pick(logits: torch.Tensor, argmax: torch.Tensor, rows: Sequence[tuple[int, S
     token, bit for bit)."""
     if not rows:
         return argmax
-    if logits.device.type == "cpu":  # row by row, most rows without a full sort, on this thread alone
+    if logits.device.type == "cpu":  # row by row, most without a full sort, on this thread
         with torch_on_one_thread():  # kernels/cpu.py says why
             tokens = torch.tensor([_draw(logits[r], p, pos) for r, p, pos in rows], dtype=torch.int64)
         return argmax.index_copy(0, torch.tensor([r for r, _, _ in rows]), tokens)
