@@ -178,29 +178,6 @@ def split_release(tickets_ptr, ticket):
 
 
 @triton.jit
-def split_merge(acc, ws_ptr, tickets_ptr, offs, mask, M, N, pid_m, pid_n, S: tl.constexpr):
-    """A split program's end: store its partial; the last of the tile's S programs gets
-    (the S partials summed in split order, True) and resets the ticket, the others
-    (acc, False)."""
-    split_stride = M.to(tl.int64) * N
-    ticket = pid_m * tl.num_programs(1) + pid_n
-    split_store(acc, ws_ptr, offs, mask, split_stride)
-    last = split_ticket(tickets_ptr, ticket, S)
-    if last:
-        acc = split_load_sum(ws_ptr, offs, mask, split_stride, S)
-        split_release(tickets_ptr, ticket)
-    return acc, last
-
-
-@triton.jit
-def store_out(acc, res_ptr, y_ptr, rows, offs_n, mask, stride_res, stride_y, HAS_RES: tl.constexpr):
-    """y[rows, offs_n] = acc (+ res[rows, offs_n]): the linear's epilogue."""
-    if HAS_RES:
-        acc = tl.load(res_ptr + rows * stride_res + offs_n[None, :], mask=mask, other=0.0) + acc
-    tl.store(y_ptr + rows * stride_y + offs_n[None, :], acc, mask=mask)
-
-
-@triton.jit
 def output_tile(M, N, BM: tl.constexpr, BN: tl.constexpr):
     """This program's output tile of a GEMM grid (axis 0: row tiles, axis 1: column tiles):
     (pid_m, pid_n, rows [BM], columns [BN], row mask, column mask)."""
@@ -252,12 +229,20 @@ def _q4_linear_kernel(x_ptr, w_ptr, sm_ptr, res_ptr, y_ptr, ws_ptr, tickets_ptr,
         acc = q4_rows(x_ptr, offs_m, m_mask, stride_x, w_ptr, sm_ptr, pid_n * BN, n_mask, N,
                       k_lo, k_hi, BM, BN, NB, ASM)
         stamp(trace_ptr, 2, TRACE)
+        offs = rows * N + offs_n[None, :]
+        split_stride = M.to(tl.int64) * N
+        ticket = pid_m * tl.num_programs(1) + pid_n
         if S > 1:
-            acc, last = split_merge(acc, ws_ptr, tickets_ptr, rows * N + offs_n[None, :], mask,
-                                    M, N, pid_m, pid_n, S)
+            split_store(acc, ws_ptr, offs, mask, split_stride)
+            last = split_ticket(tickets_ptr, ticket, S)
+            if last:
+                acc = split_load_sum(ws_ptr, offs, mask, split_stride, S)
+                split_release(tickets_ptr, ticket)
             stamp(trace_ptr, 3, TRACE)
     if last:
-        store_out(acc, res_ptr, y_ptr, rows, offs_n, mask, stride_res, stride_y, HAS_RES)
+        if HAS_RES:
+            acc = tl.load(res_ptr + rows * stride_res + offs_n[None, :], mask=mask, other=0.0) + acc
+        tl.store(y_ptr + rows * stride_y + offs_n[None, :], acc, mask=mask)
     stamp(trace_ptr, 4, TRACE)
 
 
