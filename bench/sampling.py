@@ -6,7 +6,8 @@ same tokens on CPU (checked here, and in tests/replica/test_sampling.py); this m
 time. On a device pick is also timed with the draw kernel (replica/sampling.py DRAW_KERNEL,
 kernels/triton_sample.py): the "kernel ms" column. Prints a table and writes JSON. Not a test.
 
-    python -m bench.sampling [--device cpu|cuda] [--vocab 49152,151936] [--rows 1,8,64] [--json out.json]
+    python -m bench.sampling [--device cpu|cuda] [--vocab 49152,151936] [--rows 1,8,64] [--parts]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -34,11 +35,37 @@ def ms_per_call(fn, sync, budget_s: float = 0.5) -> float:
     return (time.perf_counter() - t0) / n * 1e3
 
 
+def packed_keys(logits: torch.Tensor) -> torch.Tensor:
+    """[N, V] fp32 → [N, V] int64 keys ordered as `sample` orders tokens: the logit's
+    order-preserving bits above the complement of the token id (unique keys, ties by id)."""
+    bits = (logits + 0.0).contiguous().view(torch.int32).to(torch.int64)  # + 0.0: -0.0 → 0.0
+    key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    ids = torch.arange(logits.shape[1], device=logits.device)
+    return (key << 32) | (0xFFFFFFFF - ids)
+
+
+def parts(logits: torch.Tensor, sync) -> dict:
+    """ms of pick's parts, and of candidate sets that could replace its sort (GPU_NOTES Left
+    undone 4), on these rows."""
+    probs = torch.softmax(logits.double() / PARAMS.temperature, dim=-1)
+    keys = packed_keys(logits)
+    ops = {"softmax_f64": lambda: torch.softmax(logits.double() / PARAMS.temperature, dim=-1),
+           "sort_f32": lambda: torch.sort(logits, dim=-1, descending=True, stable=True),
+           "sort_f64": lambda: torch.sort(probs, dim=-1, descending=True, stable=True),
+           "cumsum_f64": lambda: torch.cumsum(probs, dim=-1),
+           "topk_f32_1024": lambda: torch.topk(logits, min(1024, logits.shape[1])),
+           "packed_keys": lambda: packed_keys(logits),
+           "topk_packed_64": lambda: torch.topk(keys, min(64, logits.shape[1])),
+           "topk_packed_1024": lambda: torch.topk(keys, min(1024, logits.shape[1]))}
+    return {name: ms_per_call(fn, sync, 0.05) for name, fn in ops.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--vocab", default="49152,151936")
     ap.add_argument("--rows", default="1,8,64")
+    ap.add_argument("--parts", action="store_true", help="also time pick's parts (ms)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     dev = torch.device(args.device)
@@ -70,6 +97,9 @@ def main() -> None:
             print(f"{v:>7} {n:>5} {row['pick_ms']:>8.2f} {slow:>13.2f} {slow / row['pick_ms']:>6.1f} "
                   f"{str(row['same_tokens']):>5}"
                   + (f" {row['kernel_ms']:>9.2f} {str(row['kernel_same_tokens']):>5}" if kernel else ""))
+            if args.parts:
+                row["parts_ms"] = parts(logits, sync)
+                print("        parts ms: " + ", ".join(f"{k} {ms:.3f}" for k, ms in row["parts_ms"].items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

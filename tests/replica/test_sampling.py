@@ -192,9 +192,25 @@ def test_the_sampling_bench_prints_and_writes_the_same_tokens(tmp_path):
 
     path = tmp_path / "sampling.json"
     out = subprocess.run([sys.executable, "-m", "bench.sampling", "--vocab", "320", "--rows", "1,3",
-                          "--json", str(path)], capture_output=True, text=True, timeout=300)
+                          "--parts", "--json", str(path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert "row by row ms" in out.stdout
+    assert "row by row ms" in out.stdout and "topk_packed_1024" in out.stdout
     rows = json.loads(path.read_text())
     assert [(r["vocab"], r["rows"]) for r in rows] == [(320, 1), (320, 3)]
     assert all(r["same_tokens"] and r["pick_ms"] > 0 and r["row_by_row_ms"] > 0 for r in rows)
+    assert all(ms > 0 for r in rows for ms in r["parts_ms"].values())
+
+
+def test_packed_keys_order_tokens_as_sample_does():
+    """bench/sampling.py packed_keys (a candidate set's keys): unique int64 keys whose
+    descending order is the logits' stable descending order (ties by id, -0.0 equal to 0.0)."""
+    from bench.sampling import packed_keys
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.cat([torch.tensor([[0.5, -1.0, 0.5, 2.0, -0.0, 0.0, -3e-38, 1e-40]]).expand(4, 8),
+                        torch.randint(-3, 3, (4, 40), generator=g).float(),
+                        torch.randn(4, 300, generator=g) * 4], dim=1)
+    keys = packed_keys(logits)
+    assert torch.equal(torch.sort(keys, dim=-1, descending=True).indices,
+                       torch.sort(logits, dim=-1, descending=True, stable=True).indices)
+    assert all(len(set(row.tolist())) == logits.shape[1] for row in keys)
