@@ -86,12 +86,13 @@ def main() -> None:
             want = [sample(logits[i].cpu(), PARAMS, 100 + i) for i in range(n)]
             slow = ms_per_call(lambda: [sample(logits[i].cpu(), PARAMS, 100 + i) for i in range(n)], sync)
             row = dict(device=str(dev), vocab=v, rows=n, row_by_row_ms=slow)
+            default = sampling.DRAW_KERNEL
             for on in (False, True) if kernel else (False,):
                 sampling.DRAW_KERNEL = on
                 key = "kernel" if on else "pick"
                 row[f"{key}_ms"] = ms_per_call(lambda: pick(logits, argmax, rows), sync)
                 row[f"{key}_same_tokens"] = pick(logits, argmax, rows).tolist() == want
-            sampling.DRAW_KERNEL = False
+            sampling.DRAW_KERNEL = default
             row["same_tokens"] = row["pick_same_tokens"]
             results.append(row)
             print(f"{v:>7} {n:>5} {row['pick_ms']:>8.2f} {slow:>13.2f} {slow / row['pick_ms']:>6.1f} "

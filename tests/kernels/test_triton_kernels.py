@@ -450,7 +450,7 @@ def test_moe_direct_slots_give_the_grouped_bits(monkeypatch):
 
 
 # ---- the draw of sampled tokens -----------------------------------------------------------------
-def test_draw_gives_samples_token_for_each_row_alone_or_among_others():
+def test_draw_gives_samples_token_for_each_row_alone_or_among_others(monkeypatch):
     """kernels/triton_sample.py `draw` on rows sorted as replica/sampling.py `pick` sorts them:
     the token `sample` draws from the unsorted row (top-k, top-p, temperature, ties and long
     tied runs, cuts inside and across scan blocks), and a row's token is the same alone."""
@@ -495,12 +495,10 @@ def test_draw_gives_samples_token_for_each_row_alone_or_among_others():
     logits = torch.randn(6, 4100, generator=torch.Generator().manual_seed(5)) * 2.0
     rows = [(i, SamplingParams(temperature=0.7, top_p=0.9, top_k=[0, 40][i % 2], seed=i), 7 * i)
             for i in (0, 2, 3, 5)]
+    monkeypatch.setattr(sampling, "DRAW_KERNEL", False)
     want = sampling._pick_sorted(logits, torch.argmax(logits, dim=-1), rows)
-    sampling.DRAW_KERNEL = True
-    try:
-        assert torch.equal(sampling._pick_sorted(logits, torch.argmax(logits, dim=-1), rows), want)
-    finally:
-        sampling.DRAW_KERNEL = False
+    monkeypatch.setattr(sampling, "DRAW_KERNEL", True)
+    assert torch.equal(sampling._pick_sorted(logits, torch.argmax(logits, dim=-1), rows), want)
     assert [want[i].item() for i, _, _ in rows] == [sample(logits[i], p, q) for i, p, q in rows]
     with pytest.raises(ValueError, match="float32"):
         triton_sample.draw(vals.double(), ids, *args)
