@@ -11,9 +11,6 @@ def apply(mode: str) -> None:
     from kernels import q4_layout, triton_moe, triton_pdl
 
     triton_pdl.ENABLED = 'nopdl' not in mode
-    if 'drawkernel' in mode:  # sampled rows drawn by kernels/triton_sample.py (replica/sampling.py)
-        from replica import sampling
-        sampling.DRAW_KERNEL = True
     if 'novarlen' in mode:  # prefill attention: a FlashAttention call per piece per stream (v10)
         from kernels import prefill
         prefill.VARLEN = False

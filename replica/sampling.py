@@ -114,11 +114,6 @@ def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
     return int(order[idx])
 
 
-# pick on a device: kernels/triton_sample.py draws each row (no [rows, vocab] float64 tensors).
-# Off until it has run on a GPU (written when the fourteenth session's device time was spent;
-# interpreter-tested against `sample`; bench/ab_modes.py "drawkernel" turns it on)
-DRAW_KERNEL = False
-
 PREFIX = 256  # the sorted prefix a top-p row tries first (grown 4x until it holds the nucleus)
 
 
@@ -172,8 +167,8 @@ def pick(logits: torch.Tensor, argmax: torch.Tensor, rows: Sequence[tuple[int, S
 
     On a device, all sampled rows at once: one stable descending sort of their logits, then
     `sample`'s float64 softmax, top-k and top-p cut and inverse CDF at the row's (seed,
-    position) draw — as [N, V] tensors, or with DRAW_KERNEL one program a row
-    (kernels/triton_sample.py `draw`). The masses are summed in another order than on the
+    position) draw, one program a row (kernels/triton_sample.py `draw`: the mass is scanned
+    only as far as the row's cut, no [rows, vocab] float64 tensors). The masses are summed in another order than on the
     host, so it is `sample`'s token but where a draw falls within rounding of a boundary.
     Every operation acts within a row, so a row's token depends on its own logits, params and
     position only, never on the other rows. On the CPU, row by row (`_draw`: `sample`'s
@@ -189,8 +184,8 @@ def pick(logits: torch.Tensor, argmax: torch.Tensor, rows: Sequence[tuple[int, S
 
 def _pick_sorted(logits: torch.Tensor, argmax: torch.Tensor,
                  rows: Sequence[tuple[int, SamplingParams, int]]) -> torch.Tensor:
-    """`pick` on a device: every sampled row at once, from one sort (runs on any device; the
-    tests run it on the CPU too)."""
+    """`pick` on a device: every sampled row at once, from one sort (the interpreter tests run
+    it on CPU tensors too)."""
     dev, v = logits.device, logits.shape[1]
 
     def staged(values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -206,17 +201,7 @@ def _pick_sorted(logits: torch.Tensor, argmax: torch.Tensor,
     keep = staged([min(v, p.top_k) if p.top_k > 0 else v for _, p, _ in rows], torch.int64)
     top_p = staged([p.top_p for _, p, _ in rows], torch.float64)
     u = staged([uniform(p.seed, pos) for _, p, pos in rows], torch.float64)
-    if DRAW_KERNEL:  # the mass scanned only as far as each row's cut (kernels/triton_sample.py)
-        from kernels import triton_sample  # Triton only where a device runs it
+    from kernels import triton_sample  # Triton only where a device runs it
 
-        tokens = triton_sample.draw(vals, order, temp, keep, top_p, u)
-    else:  # [N, V] float64 tensors: the probabilities in order and their cumulative mass
-        probs = torch.softmax(rows_logits.to(torch.float64) / temp[:, None], dim=-1).gather(1, order)
-        cum = torch.cumsum(probs, dim=-1)
-        # smallest prefix whose mass reaches top_p (always at least one token; top_p 1: no cut)
-        reach = torch.searchsorted(cum, top_p[:, None]) + 1  # [N, 1]
-        keep = torch.minimum(keep[:, None], torch.where(top_p[:, None] >= 1.0, keep[:, None], reach))
-        total = cum.gather(1, keep - 1)  # [N, 1]: the kept mass
-        at = torch.minimum(torch.searchsorted(cum, u[:, None] * total, right=True), keep - 1)
-        tokens = order.gather(1, at).squeeze(1)
+    tokens = triton_sample.draw(vals, order, temp, keep, top_p, u)
     return argmax.index_copy(0, index, tokens)

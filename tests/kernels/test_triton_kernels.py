@@ -450,7 +450,7 @@ def test_moe_direct_slots_give_the_grouped_bits(monkeypatch):
 
 
 # ---- the draw of sampled tokens -----------------------------------------------------------------
-def test_draw_gives_samples_token_for_each_row_alone_or_among_others(monkeypatch):
+def test_draw_gives_samples_token_for_each_row_alone_or_among_others():
     """kernels/triton_sample.py `draw` on rows sorted as replica/sampling.py `pick` sorts them:
     the token `sample` draws from the unsorted row (top-k, top-p, temperature, ties and long
     tied runs, cuts inside and across scan blocks), and a row's token is the same alone."""
@@ -489,21 +489,37 @@ def test_draw_gives_samples_token_for_each_row_alone_or_among_others(monkeypatch
     args = (f64([1.0] * 20), torch.full((20,), 2), f64([0.5] * 20), f64([uniform(9, q) for q in range(20)]))
     assert triton_sample.draw(vals, ids, *args).tolist() == [0] * 20 == [
         sample(half[0], SamplingParams(temperature=1.0, top_p=0.5, seed=9), q) for q in range(20)]
-    # and wired into pick's device path (replica/sampling.py DRAW_KERNEL), here on CPU tensors
-    from replica import sampling
-
-    logits = torch.randn(6, 4100, generator=torch.Generator().manual_seed(5)) * 2.0
-    rows = [(i, SamplingParams(temperature=0.7, top_p=0.9, top_k=[0, 40][i % 2], seed=i), 7 * i)
-            for i in (0, 2, 3, 5)]
-    monkeypatch.setattr(sampling, "DRAW_KERNEL", False)
-    want = sampling._pick_sorted(logits, torch.argmax(logits, dim=-1), rows)
-    monkeypatch.setattr(sampling, "DRAW_KERNEL", True)
-    assert torch.equal(sampling._pick_sorted(logits, torch.argmax(logits, dim=-1), rows), want)
-    assert [want[i].item() for i, _, _ in rows] == [sample(logits[i], p, q) for i, p, q in rows]
     with pytest.raises(ValueError, match="float32"):
         triton_sample.draw(vals.double(), ids, *args)
     with pytest.raises(ValueError, match="keep"):
         triton_sample.draw(vals, ids, args[0], args[1].int(), *args[2:])
+
+
+def test_picks_device_path_gives_samples_tokens():
+    """replica/sampling.py `pick`'s device path (`_pick_sorted`: every sampled row from one sort,
+    drawn by the kernel) run here on CPU tensors: `sample`'s token for every sampled row, the
+    argmax for the others, at random temperatures, top-k / top-p cuts and tied runs."""
+    import random
+
+    from replica.sampling import SamplingParams, _pick_sorted, sample
+
+    rng, checked = random.Random(4), 0
+    for trial in range(12):
+        r, v = rng.randint(1, 6), rng.choice([50, 300, 4100])
+        logits = torch.randn(r, v, generator=torch.Generator().manual_seed(trial)) * rng.choice([0.1, 1.0, 5.0])
+        if trial % 4 == 0:
+            logits[:, : v // 2] = logits[0, 0]
+        rows = [(i, SamplingParams(temperature=rng.choice([0.3, 0.8, 2.5]), top_p=rng.choice([1.0, 0.9, 0.05]),
+                                   top_k=rng.choice([0, 1, 5, 100]), seed=rng.randint(0, 2**40)),
+                 rng.randint(0, 5000)) for i in range(r) if rng.random() > 0.3]
+        argmax = torch.argmax(logits, dim=-1)
+        got = _pick_sorted(logits, argmax, rows).tolist() if rows else argmax.tolist()
+        want = argmax.tolist()
+        for i, p, pos in rows:
+            want[i] = sample(logits[i], p, pos)
+            checked += 1
+        assert got == want, trial
+    assert checked > 20
 
 
 # ---- the fused CUDA forward, interpreted, vs the CPU engine ----------------------------------------
