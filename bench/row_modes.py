@@ -57,7 +57,7 @@ def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles, weights=("qkv", "
             # engine's dispatch, triton_linear.linear)
             modes = [("split", dict(tile=q4_layout.LINEAR_TILE, seq=False)),
                      ("seq", dict(tile=q4_layout.LINEAR_TILE, seq=True))]
-            modes += [(f"{t.name} split", dict(tile=t, seq=False)) for t in tiles if t.warps == 1]
+            modes += [(f"{t.name} split", dict(tile=t, seq=False)) for t in tiles if t.warps == 1 or t.swap]
             modes += [(f"{t.name} seq", dict(tile=t, seq=True)) for t in tiles]
             modes += [(f"dense {t.name}{f' flat{u}' if u else ''}", dict(tile=t, flat=u, f16=1))
                       for t in dense_tiles for u in (0, 1, 2) if m >= dense_from]  # u k steps a loop
@@ -141,9 +141,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,8,64,256,1024,4096", help="rows of x (linear)")
     ap.add_argument("--ts", default="1,2,4,8,16,64,512", help="tokens (MoE experts, top-8)")
-    ap.add_argument("--tiles", default="32x64x64w1s3,64x64x64w1s3,64x64x64w4s3",
-                    help="wide row tiles (BN and BK of the decode tile); a trailing rN caps the "
-                         "expert kernels' registers at N for that tile")
+    ap.add_argument("--tiles", default="32x64x64w1s3,64x64x64w1s3,64x64x64w4s3,64x64x64w4s3t",
+                    help="row tiles (BN and BK of the decode tile; a trailing t: the weights as "
+                         "the MMA's A operand, linear only); a trailing rN caps the expert "
+                         "kernels' registers at N for that tile")
     ap.add_argument("--maxnreg", default="0,128,112",
                     help="register caps of the seq expert kernels (0: the compiler's choice)")
     ap.add_argument("--dense-tiles", default="128x128x64w8s3,64x128x64w4s3",
@@ -159,12 +160,13 @@ def main() -> None:
     # a tile may end in rN: the expert kernels' register cap for it (seq; e.g. 16x64x64w1s2r80)
     tiles = [(Q4Tile.parse(t.split("r")[0]), int(t.split("r")[1]) if "r" in t else 0)
              for t in args.tiles.split(",") if t]
+    moe_tiles = [(t, r) for t, r in tiles if not t.swap]  # the expert kernels have no swapped form
     dense = [Q4Tile.parse(t) for t in args.dense_tiles.split(",") if t]
     rows = linear_modes(copy_gbs, [int(v) for v in args.ms.split(",") if v], [t for t, _ in tiles], dense,
                         args.weights.split(","), args.dense_from)
     ts = [int(v) for v in args.ts.split(",") if v]
     if ts:  # --ts "": no MoE rows
-        rows += moe_modes(copy_gbs, ts, tiles,
+        rows += moe_modes(copy_gbs, ts, moe_tiles,
                           [int(v) or None for v in args.maxnreg.split(",")], dense, args.kernels)
     if args.json:
         with open(args.json, "w") as f:

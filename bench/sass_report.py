@@ -6,7 +6,7 @@ Instructions per weight predict the loop's speed without spending device time, a
 that stores to shared memory (STS) shows a tile where Triton did not load the raw bytes
 straight into the MMA operand layout.
 
-    python -m bench.sass_report 16x64x64w1s3 16x64x128w4s3 [--attention]
+    python -m bench.sass_report 16x64x64w1s3 64x64x64w4s3t [--attention]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from triton.compiler import ASTSource
 from kernels import q4_layout, triton_q4
 from kernels.q4_layout import Q4Tile
 
-CONSTEXPRS = ("HAS_RES", "BM", "BN", "NB", "S", "SEQ", "ASM", "PDL", "TRACE")
+CONSTEXPRS = ("HAS_RES", "BM", "BN", "NB", "S", "SEQ", "ASM", "PDL", "TRACE", "SWAP")
 # what the runtime specializes for our shapes (multiples of 16): without it every load is scalar
 DIV16 = {"x_ptr", "w_ptr", "sm_ptr", "res_ptr", "y_ptr", "ws_ptr", "tickets_ptr", "N", "K",
          "stride_x"}
@@ -70,7 +70,7 @@ def _compile(kern, consts: dict, ptr_types: dict, scalar_types: dict, div16: set
 def compile_q4_linear(tile: Q4Tile, arch: int = 90, split: int = 1, pdl: bool = False,
                       seq: bool = False):
     consts = dict(HAS_RES=False, BM=tile.bm, BN=tile.bn, NB=tile.nb, S=split, SEQ=seq, ASM=True,
-                  PDL=pdl, TRACE=False)
+                  PDL=pdl, TRACE=False, SWAP=tile.swap)
     return _compile(triton_q4._q4_linear_kernel, consts,
                     {"w_ptr": "*u8", "sm_ptr": "*fp16", "tickets_ptr": "*i32", "trace_ptr": "*i64"},
                     {}, DIV16, arch, num_warps=tile.warps, num_stages=tile.stages, launch_pdl=pdl)
@@ -115,7 +115,7 @@ def loop_report(tile: Q4Tile) -> LoopReport:
         if m and int(m.group(1), 16) < a:
             spans.append((int(m.group(1), 16), a))
     # the K loop: the innermost loop that holds the MMAs
-    mma = [a for a, ln in zip(addr, lines) if "HMMA" in ln]
+    mma = [a for a, ln in zip(addr, lines) if "HMMA" in ln or "HGMMA" in ln]
     loops = [sp for sp in spans if any(sp[0] <= a <= sp[1] for a in mma)]
     span = min(loops, key=lambda sp: sp[1] - sp[0]) if loops else (0, -1)
     ops: collections.Counter = collections.Counter()

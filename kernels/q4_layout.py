@@ -40,6 +40,10 @@ class Q4Tile:
     nb: int = 2  # BK = 64: measured best or tied at M = 1, 8, 64 (GPU_NOTES v6)
     warps: int = 1
     stages: int = 3
+    # the weights as the MMA's A operand (kernels/triton_q4.py `q4_rows` SWAP): the tile
+    # computes out.T [BN, BM], so on Hopper BN = 64 weight rows make one warpgroup's wgmma
+    # (each warp dequantizes its own 16 rows, once for all BM rows of x)
+    swap: bool = False
 
     @property
     def bk(self) -> int:
@@ -47,12 +51,14 @@ class Q4Tile:
 
     @classmethod
     def parse(cls, spec: str) -> "Q4Tile":
-        """"16x64x64w1s3" → Q4Tile (BM x BN x BK, warps, pipeline stages)."""
+        """"16x64x64w1s3" → Q4Tile (BM x BN x BK, warps, pipeline stages; a trailing "t":
+        the weights as the MMA's A operand)."""
+        swap = spec.endswith("t")
         try:
-            dims, _, rest = spec.partition("w")
+            dims, _, rest = spec.removesuffix("t").partition("w")
             warps, _, stages = rest.partition("s")
             bm, bn, bk = (int(v) for v in dims.split("x"))
-            tile = cls(bm, bn, bk // QBLOCK, int(warps), int(stages or 3))
+            tile = cls(bm, bn, bk // QBLOCK, int(warps), int(stages or 3), swap)
         except ValueError as e:
             raise ValueError(f"q4 tile {spec!r}: expected BMxBNxBKwW[sS], e.g. 16x64x64w1s3") from e
         if bk % QBLOCK or bm < 16 or bn < 16 or bk < QBLOCK:
@@ -61,7 +67,7 @@ class Q4Tile:
 
     @property
     def name(self) -> str:
-        return f"{self.bm}x{self.bn}x{self.bk}w{self.warps}s{self.stages}"
+        return f"{self.bm}x{self.bn}x{self.bk}w{self.warps}s{self.stages}{'t' if self.swap else ''}"
 
 
 LINEAR_TILE = Q4Tile()
@@ -72,6 +78,16 @@ LINEAR_TILE = Q4Tile()
 WIDE_TILE = Q4Tile(bm=32)
 SEQ_MIN_ROWS = 256
 WIDE_MIN_ROWS = 512
+# From SWAP_MIN_ROWS rows (below SEQ_MIN_ROWS) the split programs of weights with fewer than
+# SWAP_MAX_N outputs (the router) run SWAP_TILE: the weights as the MMA's A operand, 64 of
+# them by 32 rows of x on one warpgroup (Hopper: wgmma, the dequantized weights in registers),
+# so a weight is dequantized once per 32 rows instead of once per 16 — the decode tile's bits
+# (GPU test). H100, router 128 x 2048: 16 rows 5.8 µs against 8.7, 64 rows 6.4 against 8.6;
+# on qkv and o it lost (64 rows: 21.0 / 17.1 µs against 16.4 / 15.9: Triton loads the A bytes
+# from shared memory one by one, LDS + PRMT) (GPU_NOTES v14). None: off
+SWAP_TILE = Q4Tile(bm=32, bn=64, nb=2, warps=4, stages=3, swap=True)
+SWAP_MIN_ROWS: int | None = None
+SWAP_MAX_N = 1024
 # From DENSE_MIN_ROWS rows on CUDA the weight is dequantized once per call into fp16 W.T and a
 # many-warp tile runs fp16 MMAs on it (kernels/triton_f16.py): the same fp16 weights, k steps,
 # split ranges and merge order, so the same bits per row, and the tensor cores no longer wait

@@ -99,6 +99,35 @@ def _q4_step(acc, xr, row_mask, w_tile, sm_tile, n_mask, N, k0, k_hi, NB: tl.con
 
 
 @triton.jit
+def _q4_step_t(acc, xr, row_mask, w_tile, sm_tile, n_mask, N, k0, k_hi, NB: tl.constexpr,
+               ASM: tl.constexpr):
+    """_q4_step with the weights as the MMA's A operand: acc [BN, BM] += W[:, k step] @ x[:, k
+    step].T; xr [1, BM] row pointers of x, w_tile [BN, 16] / sm_tile [BN, 2] block 0's bytes /
+    scales. The same fp16 weights and x, the same k16 products summed in the same k order."""
+    j = tl.arange(0, 16)
+    for b in tl.static_range(NB):
+        kb = k0 + 32 * b
+        live = (kb + j) < k_hi  # [16]: all true or all false (k_hi is a block edge)
+        blk = kb // 32
+        byt = tl.load(w_tile + blk * (N * 16), mask=n_mask[:, None] & live[None, :], other=0)
+        s, m = tl.split(tl.load(sm_tile + blk * (N * 2),
+                                mask=n_mask[:, None] & (kb + tl.arange(0, 2) * 0 < k_hi)[None, :],
+                                other=0.0))
+        if ASM:
+            lo, hi = _nibbles_asm(byt)
+        else:
+            lo, hi = nibbles(byt)
+        lo = lo * s[:, None] + m[:, None]  # [BN, 16] fp16 weights of k = kb + j
+        hi = hi * s[:, None] + m[:, None]  # k = kb + 16 + j
+        xm = live[:, None] & row_mask[None, :]
+        x_lo = tl.load(xr + (kb + j)[:, None], mask=xm, other=0.0).to(tl.float16)  # [16, BM]
+        x_hi = tl.load(xr + (kb + 16 + j)[:, None], mask=xm, other=0.0).to(tl.float16)
+        acc = tl.dot(lo, x_lo, acc)
+        acc = tl.dot(hi, x_hi, acc)
+    return acc
+
+
+@triton.jit
 def _q4_ptrs(x_ptr, x_rows, stride_x, w_ptr, sm_ptr, n0, BN: tl.constexpr):
     """(x row pointers [BM, 1], block 0's bytes [16, BN] k-major, its (scale, min) [BN, 2])."""
     n = n0 + tl.arange(0, BN)
@@ -110,32 +139,46 @@ def _q4_ptrs(x_ptr, x_rows, stride_x, w_ptr, sm_ptr, n0, BN: tl.constexpr):
 
 @triton.jit
 def q4_rows(x_ptr, x_rows, row_mask, stride_x, w_ptr, sm_ptr, n0, n_mask, N, k_lo, k_hi,
-            BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr):
+            BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr,
+            SWAP: tl.constexpr = False):
     """acc [BM, BN] fp32 = x[x_rows, k_lo:k_hi] @ W[n0 : n0 + BN, k_lo:k_hi].T, k in increasing
     order. x_rows [BM] are row indices (MoE gathers), masked rows read 0; x is float32 or
-    float16 (rounded to fp16 either way). w_ptr/sm_ptr point at one weight's qs/sm."""
-    xr, w_tile, sm_tile = _q4_ptrs(x_ptr, x_rows, stride_x, w_ptr, sm_ptr, n0, BN)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, 32 * NB):
-        acc = _q4_step(acc, xr, row_mask, w_tile, sm_tile, n_mask, N, k0, k_hi, NB, ASM)
+    float16 (rounded to fp16 either way). w_ptr/sm_ptr point at one weight's qs/sm.
+    SWAP: the weights as the MMA's A operand, and acc is the transpose, [BN, BM]."""
+    if SWAP:
+        n = n0 + tl.arange(0, BN)
+        xr = x_ptr + x_rows[None, :] * stride_x  # [1, BM]
+        w_tile = w_ptr + n[:, None] * 16 + tl.arange(0, 16)[None, :]  # [BN, 16]
+        sm_tile = sm_ptr + n[:, None] * 2 + tl.arange(0, 2)[None, :]
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, 32 * NB):
+            acc = _q4_step_t(acc, xr, row_mask, w_tile, sm_tile, n_mask, N, k0, k_hi, NB, ASM)
+    else:
+        xr, w_tile, sm_tile = _q4_ptrs(x_ptr, x_rows, stride_x, w_ptr, sm_ptr, n0, BN)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, 32 * NB):
+            acc = _q4_step(acc, xr, row_mask, w_tile, sm_tile, n_mask, N, k0, k_hi, NB, ASM)
     return acc
 
 
 @triton.jit
 def q4_splits(x_ptr, x_rows, row_mask, stride_x, w_ptr, sm_ptr, n0, n_mask, N, K,
               BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, S: tl.constexpr,
-              ASM: tl.constexpr):
+              ASM: tl.constexpr, SWAP: tl.constexpr = False):
     """acc [BM, BN] fp32 = x[x_rows] @ W[n0 : n0 + BN].T over all of K, computed as the S split
     programs compute it (each split's partial from zero over its k range), the partials summed
     in split order 0..S-1 as split_load_sum does: the bits of the split-K path from one program,
     with no partials in memory and no ticket (S = 1: one pass over K). A loop per split: one
     loop over all of K (partials folded at the split edges) took more registers and measured
-    12-30% slower at 8-64 tokens (GPU_NOTES v8)."""
-    total = tl.zeros((BM, BN), dtype=tl.float32)
+    12-30% slower at 8-64 tokens (GPU_NOTES v8). SWAP: as q4_rows, [BN, BM]."""
+    if SWAP:
+        total = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        total = tl.zeros((BM, BN), dtype=tl.float32)
     for sp in range(S):
         k_lo, k_hi = split_range(K, sp, S, 32 * NB)
         part = q4_rows(x_ptr, x_rows, row_mask, stride_x, w_ptr, sm_ptr, n0, n_mask, N, k_lo,
-                       k_hi, BM, BN, NB, ASM)
+                       k_hi, BM, BN, NB, ASM, SWAP)
         total = tl.where(sp == 0, part, total + part)  # p0 exactly, then + p1, + p2, ...
     return total
 
@@ -204,9 +247,11 @@ def prefetch_weights(w_ptr, sm_ptr, n0, N, k_lo, k_hi, BN: tl.constexpr, BLOCKS:
 def _q4_linear_kernel(x_ptr, w_ptr, sm_ptr, res_ptr, y_ptr, ws_ptr, tickets_ptr, trace_ptr, M, N,
                       K, stride_x, stride_res, stride_y, HAS_RES: tl.constexpr, BM: tl.constexpr,
                       BN: tl.constexpr, NB: tl.constexpr, S: tl.constexpr, SEQ: tl.constexpr,
-                      ASM: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr = False):
+                      ASM: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr = False,
+                      SWAP: tl.constexpr = False):
     """SEQ: each program runs all S splits of its tile itself (q4_splits); else program
     (row tile, n-tile, split) runs one split and the last to arrive sums the S partials.
+    SWAP: the weights as the MMA's A operand (the tile is computed transposed, [BN, BM]).
     TRACE: time stamps at entry, after the wait, after the K loop, after the ticket (and the
     partials' sum), at the end (kernels/triton_pdl.py `stamp`)."""
     stamp(trace_ptr, 0, TRACE)
@@ -219,17 +264,23 @@ def _q4_linear_kernel(x_ptr, w_ptr, sm_ptr, res_ptr, y_ptr, ws_ptr, tickets_ptr,
             prefetch_weights(w_ptr, sm_ptr, pid_n * BN, N, k_lo, k_hi, BN, PREFETCH_BLOCKS)
     pdl_wait(PDL)
     stamp(trace_ptr, 1, TRACE)
-    mask = m_mask[:, None] & n_mask[None, :]
-    rows = offs_m.to(tl.int64)[:, None]
+    if SWAP:  # (row, column) of each accumulator element, in the accumulator's [BN, BM] shape
+        mask = n_mask[:, None] & m_mask[None, :]
+        rows = offs_m.to(tl.int64)[None, :]
+        cols = offs_n[:, None]
+    else:
+        mask = m_mask[:, None] & n_mask[None, :]
+        rows = offs_m.to(tl.int64)[:, None]
+        cols = offs_n[None, :]
     last = True
     if SEQ:
         acc = q4_splits(x_ptr, offs_m, m_mask, stride_x, w_ptr, sm_ptr, pid_n * BN, n_mask, N, K,
-                        BM, BN, NB, S, ASM)
+                        BM, BN, NB, S, ASM, SWAP)
     else:
         acc = q4_rows(x_ptr, offs_m, m_mask, stride_x, w_ptr, sm_ptr, pid_n * BN, n_mask, N,
-                      k_lo, k_hi, BM, BN, NB, ASM)
+                      k_lo, k_hi, BM, BN, NB, ASM, SWAP)
         stamp(trace_ptr, 2, TRACE)
-        offs = rows * N + offs_n[None, :]
+        offs = rows * N + cols
         split_stride = M.to(tl.int64) * N
         ticket = pid_m * tl.num_programs(1) + pid_n
         if S > 1:
@@ -241,8 +292,8 @@ def _q4_linear_kernel(x_ptr, w_ptr, sm_ptr, res_ptr, y_ptr, ws_ptr, tickets_ptr,
             stamp(trace_ptr, 3, TRACE)
     if last:
         if HAS_RES:
-            acc = tl.load(res_ptr + rows * stride_res + offs_n[None, :], mask=mask, other=0.0) + acc
-        tl.store(y_ptr + rows * stride_y + offs_n[None, :], acc, mask=mask)
+            acc = tl.load(res_ptr + rows * stride_res + cols, mask=mask, other=0.0) + acc
+        tl.store(y_ptr + rows * stride_y + cols, acc, mask=mask)
     stamp(trace_ptr, 4, TRACE)
 
 
@@ -254,10 +305,14 @@ def use_asm(t: torch.Tensor) -> bool:
 
 def plan(lin: Q4Linear, rows: int) -> tuple[Q4Tile, bool]:
     """(tile, seq) for `rows` rows of x through lin: SEQ_MIN_ROWS rows or more run each tile's
-    K splits in one program (no partials in memory), WIDE_MIN_ROWS or more the wide row tile.
-    Both give every row the bits of the decode tile with parallel splits (the same MMAs per
+    K splits in one program (no partials in memory), WIDE_MIN_ROWS or more the wide row tile,
+    and a small weight's split programs the swapped tile from SWAP_MIN_ROWS. All give every
+    row the bits of the decode tile with parallel splits (the same MMAs per
     row, the same split ranges and merge order), so the choice may follow the batch."""
     seq = lin.split > 1 and rows >= q4_layout.SEQ_MIN_ROWS
+    if (q4_layout.SWAP_MIN_ROWS is not None and q4_layout.SWAP_MIN_ROWS <= rows
+            < q4_layout.SEQ_MIN_ROWS and lin.out_features < q4_layout.SWAP_MAX_N):
+        return q4_layout.SWAP_TILE, seq
     return (q4_layout.WIDE_TILE if rows >= q4_layout.WIDE_MIN_ROWS else LINEAR_TILE), seq
 
 
@@ -295,6 +350,6 @@ def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
             xs, lin.qs, lin.sm, res, ys, ws, lin.tickets if parallel else ys,
             ys if trace is None else trace, r1 - r0, big_n, k, xs.stride(0), res.stride(0),
             ys.stride(0), HAS_RES=residual is not None, BM=tile.bm, BN=tile.bn, NB=tile.nb,
-            S=lin.split, SEQ=seq, ASM=asm, TRACE=trace is not None, num_warps=tile.warps,
+            S=lin.split, SEQ=seq, ASM=asm, TRACE=trace is not None, SWAP=tile.swap, num_warps=tile.warps,
             num_stages=tile.stages, **triton_pdl.launch(x))
     return out

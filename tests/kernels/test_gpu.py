@@ -210,6 +210,31 @@ def test_wide_row_tiles_and_one_program_splits_give_the_decode_tile_bits(n, k):
     assert lin.tickets is None or not lin.tickets.any()
 
 
+@pytest.mark.parametrize("n,k", [(5120, 2048), (2048, 4096), (128, 2048), (151936 // 8, 2048)])
+def test_the_swapped_tile_gives_the_decode_tile_bits(n, k, monkeypatch):
+    """The weights as the MMA's A operand (q4_layout.SWAP_TILE and its narrower forms; on
+    Hopper wgmma with the dequantized weights in registers): the same k16 products summed in
+    the same order, so every row keeps the decode tile's bits, split or seq, at any row count;
+    with SWAP_MIN_ROWS set the engine's dispatch takes it for weights below SWAP_MAX_N outputs."""
+    g = torch.Generator(DEV).manual_seed(n * 7 + k)
+    lin = rand_q4(n, k, g)
+    for m in (1, 16, 64, 200):
+        x = torch.randn(m, k, generator=g, device=DEV)
+        res = torch.randn(m, n, generator=g, device=DEV)
+        ref = triton_q4.linear(lin, x, nan(m, n), res, tile=q4_layout.LINEAR_TILE, seq=False)
+        for bm in (16, 32, 64):
+            for seq in (False, True):
+                tile = dataclasses.replace(q4_layout.SWAP_TILE, bm=bm)
+                out = triton_q4.linear(lin, x, nan(m, n), res, tile=tile, seq=seq)
+                assert torch.equal(out, ref), (m, tile.name, seq)
+        monkeypatch.setattr(q4_layout, "SWAP_MIN_ROWS", 2)
+        monkeypatch.setattr(q4_layout, "SWAP_MAX_N", n + 1)
+        assert triton_q4.plan(lin, m)[0] == (q4_layout.SWAP_TILE if m >= 2 else q4_layout.LINEAR_TILE)
+        assert torch.equal(triton_linear.linear(lin, x, nan(m, n), res), ref)
+        monkeypatch.setattr(q4_layout, "SWAP_MIN_ROWS", None)
+    assert lin.tickets is None or not lin.tickets.any()
+
+
 def test_moe_wide_tiles_and_one_program_splits_give_the_split_programs_bits():
     router, experts, stacked = real_moe()
     g = torch.Generator(DEV).manual_seed(9)

@@ -122,6 +122,30 @@ def test_q4_one_program_per_tile_gives_the_bits_of_the_split_programs(n, k):
         triton_q4.linear(lin, x, nan(21, n), tile=q4_layout.Q4Tile(nb=4))
 
 
+@pytest.mark.parametrize("n,k,m", [(72, 160, 5), (96, 512, 70)])
+def test_q4_swapped_tile_gives_the_decode_tile_bits(n, k, m, monkeypatch):
+    """The weights as the MMA's A operand (SWAP_TILE, its tile computed transposed), split and
+    seq, with a residual: the decode tile's bits here (the GPU test checks the MMAs' own) and
+    the float64 reference within the q4 bound; the dispatch takes it from SWAP_MIN_ROWS."""
+    g = gen(n + k + m)
+    lin = triton_linear.to_gpu_format(quantize_q4(torch.randn(n, k, generator=g)))
+    assert lin.split > 1
+    x = torch.randn(m, k, generator=g)
+    res = torch.randn(m, n, generator=g)
+    ref = triton_q4.linear(lin, x, nan(m, n), res, tile=q4_layout.LINEAR_TILE, seq=False)
+    for seq in (False, True):
+        out = triton_q4.linear(lin, x, nan(m, n), res, tile=q4_layout.SWAP_TILE, seq=seq)
+        assert torch.equal(out, ref), seq
+    assert rel_err(ref, lin.reference(x) + res.double()) < TOL["q4"] and not lin.tickets.any()
+    assert q4_layout.Q4Tile.parse(q4_layout.SWAP_TILE.name) == q4_layout.SWAP_TILE
+    assert q4_layout.SWAP_TILE.name.endswith("t") and q4_layout.SWAP_TILE.swap
+    monkeypatch.setattr(q4_layout, "SWAP_MIN_ROWS", 2)
+    assert triton_q4.plan(lin, m)[0] == q4_layout.SWAP_TILE and triton_q4.plan(lin, 1)[0] == q4_layout.LINEAR_TILE
+    assert torch.equal(triton_linear.linear(lin, x, nan(m, n), res), ref)
+    monkeypatch.setattr(q4_layout, "SWAP_MAX_N", n)  # only weights with fewer outputs take it
+    assert triton_q4.plan(lin, m)[0] == q4_layout.LINEAR_TILE
+
+
 SMALL_DENSE = q4_layout.Q4Tile(bm=16, bn=32, nb=2, warps=4, stages=2)  # the interpreter's size
 
 
