@@ -11,9 +11,6 @@ def apply(mode: str) -> None:
     from kernels import q4_layout, triton_moe, triton_pdl
 
     triton_pdl.ENABLED = 'nopdl' not in mode
-    if re.search(r'(?<!no)even', mode) or 'noeven' in mode:  # the q4 K loop unmasked where
-        from kernels import triton_q4  # the shape allows, or masked everywhere (triton_q4.py)
-        triton_q4.EVEN_LOOP = 'noeven' not in mode
     if re.search(r'swap[0-9]+', mode):  # the q4 linear's swapped tile from N rows (q4_layout)
         q4_layout.SWAP_MIN_ROWS = int(re.search(r'swap([0-9]+)', mode).group(1))
     if 'novarlen' in mode:  # prefill attention: a FlashAttention call per piece per stream (v10)

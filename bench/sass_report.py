@@ -26,7 +26,7 @@ from triton.compiler import ASTSource
 from kernels import q4_layout, triton_q4
 from kernels.q4_layout import Q4Tile
 
-CONSTEXPRS = ("HAS_RES", "BM", "BN", "NB", "S", "SEQ", "ASM", "PDL", "TRACE", "SWAP", "EVEN")
+CONSTEXPRS = ("HAS_RES", "BM", "BN", "NB", "S", "SEQ", "ASM", "PDL", "TRACE", "SWAP")
 # what the runtime specializes for our shapes (multiples of 16): without it every load is scalar
 DIV16 = {"x_ptr", "w_ptr", "sm_ptr", "res_ptr", "y_ptr", "ws_ptr", "tickets_ptr", "N", "K",
          "stride_x"}
@@ -70,7 +70,7 @@ def _compile(kern, consts: dict, ptr_types: dict, scalar_types: dict, div16: set
 def compile_q4_linear(tile: Q4Tile, arch: int = 90, split: int = 1, pdl: bool = False,
                       seq: bool = False):
     consts = dict(HAS_RES=False, BM=tile.bm, BN=tile.bn, NB=tile.nb, S=split, SEQ=seq, ASM=True,
-                  PDL=pdl, TRACE=False, SWAP=tile.swap, EVEN=triton_q4.EVEN_LOOP)
+                  PDL=pdl, TRACE=False, SWAP=tile.swap)
     return _compile(triton_q4._q4_linear_kernel, consts,
                     {"w_ptr": "*u8", "sm_ptr": "*fp16", "tickets_ptr": "*i32", "trace_ptr": "*i64"},
                     {}, DIV16, arch, num_warps=tile.warps, num_stages=tile.stages, launch_pdl=pdl)

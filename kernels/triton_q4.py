@@ -31,10 +31,6 @@ from kernels.q4_layout import LINEAR_TILE, Q4Linear, Q4Tile
 from kernels.triton_pdl import pdl_wait, prefetch_l2, stamp
 
 PREFETCH_BLOCKS = tl.constexpr(8)  # 32-blocks of K prefetched before waiting (GPU_NOTES v7)
-# the K loop without masks on the weights where the shape allows (`even`): offline SASS of the
-# decode tile 418 → 396 instructions a k step; masks change no value, so no bit. Off until a
-# GPU run measures it (ab mode "even")
-EVEN_LOOP = False
 
 
 # ---- device code ------------------------------------------------------------------------------
@@ -76,32 +72,25 @@ def _nibbles_asm(byt):
 
 @triton.jit
 def _q4_step(acc, xr, row_mask, w_tile, sm_tile, n_mask, N, k0, k_hi, NB: tl.constexpr,
-             ASM: tl.constexpr, EVEN: tl.constexpr = False):
+             ASM: tl.constexpr):
     """acc += the k step [k0, k0 + 32 NB) (the part below k_hi) of x @ W.T, block by block:
-    xr [BM, 1] row pointers of x, w_tile [16, BN] / sm_tile [BN, 2] block 0's bytes / scales.
-    EVEN: every k step lies below k_hi and every column below N (`even`): the weight loads
-    go unmasked (the same values, fewer instructions)."""
+    xr [BM, 1] row pointers of x, w_tile [16, BN] / sm_tile [BN, 2] block 0's bytes / scales."""
     j = tl.arange(0, 16)
     for b in tl.static_range(NB):
         kb = k0 + 32 * b
+        live = (kb + j) < k_hi  # [16]: all true or all false (k_hi is a block edge)
         blk = kb // 32
-        if EVEN:
-            byt = tl.load(w_tile + blk * (N * 16))
-            s, m = tl.split(tl.load(sm_tile + blk * (N * 2)))
-            xm = row_mask[:, None]
-        else:
-            live = (kb + j) < k_hi  # [16]: all true or all false (k_hi is a block edge)
-            byt = tl.load(w_tile + blk * (N * 16), mask=n_mask[None, :] & live[:, None], other=0)
-            s, m = tl.split(tl.load(sm_tile + blk * (N * 2),
-                                    mask=n_mask[:, None] & (kb + tl.arange(0, 2) * 0 < k_hi)[None, :],
-                                    other=0.0))
-            xm = row_mask[:, None] & live[None, :]
+        byt = tl.load(w_tile + blk * (N * 16), mask=n_mask[None, :] & live[:, None], other=0)
+        s, m = tl.split(tl.load(sm_tile + blk * (N * 2),
+                                mask=n_mask[:, None] & (kb + tl.arange(0, 2) * 0 < k_hi)[None, :],
+                                other=0.0))
         if ASM:
             lo, hi = _nibbles_asm(byt)
         else:
             lo, hi = nibbles(byt)
         lo = lo * s[None, :] + m[None, :]  # [16, BN] fp16 weights of k = kb + j
         hi = hi * s[None, :] + m[None, :]  # k = kb + 16 + j
+        xm = row_mask[:, None] & live[None, :]
         x_lo = tl.load(xr + (kb + j)[None, :], mask=xm, other=0.0).to(tl.float16)
         x_hi = tl.load(xr + (kb + 16 + j)[None, :], mask=xm, other=0.0).to(tl.float16)
         acc = tl.dot(x_lo, lo, acc)
@@ -151,12 +140,11 @@ def _q4_ptrs(x_ptr, x_rows, stride_x, w_ptr, sm_ptr, n0, BN: tl.constexpr):
 @triton.jit
 def q4_rows(x_ptr, x_rows, row_mask, stride_x, w_ptr, sm_ptr, n0, n_mask, N, k_lo, k_hi,
             BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr,
-            SWAP: tl.constexpr = False, EVEN: tl.constexpr = False):
+            SWAP: tl.constexpr = False):
     """acc [BM, BN] fp32 = x[x_rows, k_lo:k_hi] @ W[n0 : n0 + BN, k_lo:k_hi].T, k in increasing
     order. x_rows [BM] are row indices (MoE gathers), masked rows read 0; x is float32 or
     float16 (rounded to fp16 either way). w_ptr/sm_ptr point at one weight's qs/sm.
-    SWAP: the weights as the MMA's A operand, and acc is the transpose, [BN, BM]. EVEN: see
-    _q4_step (the swapped step keeps its masks)."""
+    SWAP: the weights as the MMA's A operand, and acc is the transpose, [BN, BM]."""
     if SWAP:
         n = n0 + tl.arange(0, BN)
         xr = x_ptr + x_rows[None, :] * stride_x  # [1, BM]
@@ -169,14 +157,14 @@ def q4_rows(x_ptr, x_rows, row_mask, stride_x, w_ptr, sm_ptr, n0, n_mask, N, k_l
         xr, w_tile, sm_tile = _q4_ptrs(x_ptr, x_rows, stride_x, w_ptr, sm_ptr, n0, BN)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, 32 * NB):
-            acc = _q4_step(acc, xr, row_mask, w_tile, sm_tile, n_mask, N, k0, k_hi, NB, ASM, EVEN)
+            acc = _q4_step(acc, xr, row_mask, w_tile, sm_tile, n_mask, N, k0, k_hi, NB, ASM)
     return acc
 
 
 @triton.jit
 def q4_splits(x_ptr, x_rows, row_mask, stride_x, w_ptr, sm_ptr, n0, n_mask, N, K,
               BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, S: tl.constexpr,
-              ASM: tl.constexpr, SWAP: tl.constexpr = False, EVEN: tl.constexpr = False):
+              ASM: tl.constexpr, SWAP: tl.constexpr = False):
     """acc [BM, BN] fp32 = x[x_rows] @ W[n0 : n0 + BN].T over all of K, computed as the S split
     programs compute it (each split's partial from zero over its k range), the partials summed
     in split order 0..S-1 as split_load_sum does: the bits of the split-K path from one program,
@@ -190,7 +178,7 @@ def q4_splits(x_ptr, x_rows, row_mask, stride_x, w_ptr, sm_ptr, n0, n_mask, N, K
     for sp in range(S):
         k_lo, k_hi = split_range(K, sp, S, 32 * NB)
         part = q4_rows(x_ptr, x_rows, row_mask, stride_x, w_ptr, sm_ptr, n0, n_mask, N, k_lo,
-                       k_hi, BM, BN, NB, ASM, SWAP, EVEN)
+                       k_hi, BM, BN, NB, ASM, SWAP)
         total = tl.where(sp == 0, part, total + part)  # p0 exactly, then + p1, + p2, ...
     return total
 
@@ -260,7 +248,7 @@ def _q4_linear_kernel(x_ptr, w_ptr, sm_ptr, res_ptr, y_ptr, ws_ptr, tickets_ptr,
                       K, stride_x, stride_res, stride_y, HAS_RES: tl.constexpr, BM: tl.constexpr,
                       BN: tl.constexpr, NB: tl.constexpr, S: tl.constexpr, SEQ: tl.constexpr,
                       ASM: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr = False,
-                      SWAP: tl.constexpr = False, EVEN: tl.constexpr = False):
+                      SWAP: tl.constexpr = False):
     """SEQ: each program runs all S splits of its tile itself (q4_splits); else program
     (row tile, n-tile, split) runs one split and the last to arrive sums the S partials.
     SWAP: the weights as the MMA's A operand (the tile is computed transposed, [BN, BM]).
@@ -287,10 +275,10 @@ def _q4_linear_kernel(x_ptr, w_ptr, sm_ptr, res_ptr, y_ptr, ws_ptr, tickets_ptr,
     last = True
     if SEQ:
         acc = q4_splits(x_ptr, offs_m, m_mask, stride_x, w_ptr, sm_ptr, pid_n * BN, n_mask, N, K,
-                        BM, BN, NB, S, ASM, SWAP, EVEN)
+                        BM, BN, NB, S, ASM, SWAP)
     else:
         acc = q4_rows(x_ptr, offs_m, m_mask, stride_x, w_ptr, sm_ptr, pid_n * BN, n_mask, N,
-                      k_lo, k_hi, BM, BN, NB, ASM, SWAP, EVEN)
+                      k_lo, k_hi, BM, BN, NB, ASM, SWAP)
         stamp(trace_ptr, 2, TRACE)
         offs = rows * N + cols
         split_stride = M.to(tl.int64) * N
@@ -310,12 +298,6 @@ def _q4_linear_kernel(x_ptr, w_ptr, sm_ptr, res_ptr, y_ptr, ws_ptr, tickets_ptr,
 
 
 # ---- host side --------------------------------------------------------------------------------
-def even(n: int, k: int, tile: Q4Tile) -> bool:
-    """Whether a weight [n, k] fills the tile's k steps and columns exactly (every K split range
-    is whole k steps: `split_range`), so its K loop may load the weights unmasked (EVEN_LOOP)."""
-    return EVEN_LOOP and k % tile.bk == 0 and n % tile.bn == 0
-
-
 def use_asm(t: torch.Tensor) -> bool:
     """Inline PTX on CUDA tensors; plain Triton where the interpreter runs (CPU tensors)."""
     return t.device.type == "cuda"
@@ -368,7 +350,6 @@ def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
             xs, lin.qs, lin.sm, res, ys, ws, lin.tickets if parallel else ys,
             ys if trace is None else trace, r1 - r0, big_n, k, xs.stride(0), res.stride(0),
             ys.stride(0), HAS_RES=residual is not None, BM=tile.bm, BN=tile.bn, NB=tile.nb,
-            S=lin.split, SEQ=seq, ASM=asm, TRACE=trace is not None, SWAP=tile.swap,
-            EVEN=even(big_n, k, tile), num_warps=tile.warps,
+            S=lin.split, SEQ=seq, ASM=asm, TRACE=trace is not None, SWAP=tile.swap, num_warps=tile.warps,
             num_stages=tile.stages, **triton_pdl.launch(x))
     return out

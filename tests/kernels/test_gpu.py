@@ -235,22 +235,6 @@ def test_the_swapped_tile_gives_the_decode_tile_bits(n, k, monkeypatch):
     assert lin.tickets is None or not lin.tickets.any()
 
 
-def test_the_unmasked_k_loop_gives_the_masked_loops_bits(monkeypatch):
-    """The K loop with unmasked weight loads (triton_q4.EVEN_LOOP, every engine shape) against
-    the masked loop, on the MMA: the linear at 1 and 64 rows, the experts at 1, 16 and 64
-    tokens (split, MID_TILE, seq), bit for bit."""
-    g = torch.Generator(DEV).manual_seed(17)
-    lin = rand_q4(5120, 2048, g)
-    router, experts, stacked = real_moe()
-    xs = [torch.randn(m, 2048, generator=g, device=DEV) for m in (1, 16, 64)]
-    got = {}
-    for on in (True, False):
-        monkeypatch.setattr(triton_q4, "EVEN_LOOP", on)
-        got[on] = [triton_linear.linear(lin, x, nan(x.shape[0], 5120)) for x in xs]
-        got[on] += [_moe(x, router, stacked)[2] for x in xs]
-    assert all(torch.equal(a, b) for a, b in zip(got[True], got[False]))
-
-
 def test_moe_wide_tiles_and_one_program_splits_give_the_split_programs_bits():
     router, experts, stacked = real_moe()
     g = torch.Generator(DEV).manual_seed(9)

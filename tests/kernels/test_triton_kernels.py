@@ -368,30 +368,6 @@ def test_moe_token_is_bitwise_independent_of_its_batch(hidden, inter, monkeypatc
         assert rel_err(_moe(x, router, stacked, 2)[2], out.double()) < 1e-6
 
 
-def test_the_unmasked_k_loop_gives_the_masked_loops_bits(monkeypatch):
-    """Weights that fill the tile's k steps and columns load unmasked in the K loop
-    (triton_q4.EVEN_LOOP): the linear (split and seq) and both expert GEMMs (split and seq)
-    give the masked loop's bits; a K with a half k step keeps its masks."""
-    tile = q4_layout.LINEAR_TILE
-    monkeypatch.setattr(triton_q4, "EVEN_LOOP", True)
-    assert triton_q4.even(128, 512, tile) and not triton_q4.even(128, 160, tile)
-    assert not triton_q4.even(72, 512, tile)  # 72 columns: a part tile
-    g = gen(13)
-    lin = triton_linear.to_gpu_format(quantize_q4(torch.randn(128, 512, generator=g)))
-    x = torch.randn(21, 512, generator=g)
-    router, experts, stacked, xm, ids, wts = _routed(g, 256, 12)
-    got = {}
-    for on in (True, False):
-        monkeypatch.setattr(triton_q4, "EVEN_LOOP", on)
-        got[on] = [triton_q4.linear(lin, x, nan(21, 128), tile=tile, seq=seq) for seq in (False, True)]
-        for seq in (False, True):
-            inter, y = nan(24, 256).half(), nan(24, 256)
-            triton_moe.experts_forward(xm, ids, stacked, inter, y, seq=seq)
-            got[on] += [inter, y]
-    assert all(torch.equal(a, b) for a, b in zip(got[True], got[False]))
-    assert rel_err(got[True][0], lin.reference(x)) < TOL["q4"]
-
-
 def test_moe_one_program_per_expert_tile_gives_the_bits_of_the_split_programs(monkeypatch):
     """Both q4 expert GEMMs split K in four; seq runs the four splits in one program: the
     same bits, which lets a big batch take it while a lone token keeps the split programs.
