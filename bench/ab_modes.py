@@ -11,8 +11,12 @@ def apply(mode: str) -> None:
     from kernels import q4_layout, triton_moe, triton_pdl
 
     triton_pdl.ENABLED = 'nopdl' not in mode
-    if re.search(r'swap[0-9]+', mode):  # the q4 linear's swapped tile from N rows (q4_layout)
+    if 'noswap' in mode:  # the router's split programs on the decode tile (q4_layout)
+        q4_layout.SWAP_MIN_ROWS = None
+    elif re.search(r'swap[0-9]+', mode):  # the swapped tile from N rows
         q4_layout.SWAP_MIN_ROWS = int(re.search(r'swap([0-9]+)', mode).group(1))
+    if re.search(r'swapn[0-9]+', mode):  # ... for weights with fewer than N outputs
+        q4_layout.SWAP_MAX_N = int(re.search(r'swapn([0-9]+)', mode).group(1))
     if 'novarlen' in mode:  # prefill attention: a FlashAttention call per piece per stream (v10)
         from kernels import prefill
         prefill.VARLEN = False

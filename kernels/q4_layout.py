@@ -78,15 +78,16 @@ LINEAR_TILE = Q4Tile()
 WIDE_TILE = Q4Tile(bm=32)
 SEQ_MIN_ROWS = 256
 WIDE_MIN_ROWS = 512
-# From SWAP_MIN_ROWS rows (below SEQ_MIN_ROWS) the split programs of weights with fewer than
+# Below SEQ_MIN_ROWS rows, from SWAP_MIN_ROWS, the split programs of weights with fewer than
 # SWAP_MAX_N outputs (the router) run SWAP_TILE: the weights as the MMA's A operand, 64 of
-# them by 32 rows of x on one warpgroup (Hopper: wgmma, the dequantized weights in registers),
-# so a weight is dequantized once per 32 rows instead of once per 16 — the decode tile's bits
-# (GPU test). H100, router 128 x 2048: 16 rows 5.8 µs against 8.7, 64 rows 6.4 against 8.6;
-# on qkv and o it lost (64 rows: 21.0 / 17.1 µs against 16.4 / 15.9: Triton loads the A bytes
-# from shared memory one by one, LDS + PRMT) (GPU_NOTES v14). None: off
-SWAP_TILE = Q4Tile(bm=32, bn=64, nb=2, warps=4, stages=3, swap=True)
-SWAP_MIN_ROWS: int | None = None
+# them by 16 rows of x on one warpgroup (Hopper: wgmma, the dequantized weights in registers,
+# each warp dequantizing 16 of the 64) — the decode tile's bits (GPU test). H100, router 128 x
+# 2048, µs: 1 row 5.0 against 5.9, 8 rows 4.8 / 7.1, 16 4.9 / 8.2, 64 5.1 / 8.4, 128 5.7 /
+# 8.8. On qkv and o it lost (64 rows, 32-row swapped tile: 21.0 / 17.1 against 16.4 / 15.9:
+# Triton loads the A bytes from shared memory one at a time and waits on every wgmma)
+# (GPU_NOTES v14). SWAP_MIN_ROWS None: off
+SWAP_TILE = Q4Tile(bm=16, bn=64, nb=2, warps=4, stages=3, swap=True)
+SWAP_MIN_ROWS: int | None = 1
 SWAP_MAX_N = 1024
 # From DENSE_MIN_ROWS rows on CUDA the weight is dequantized once per call into fp16 W.T and a
 # many-warp tile runs fp16 MMAs on it (kernels/triton_f16.py): the same fp16 weights, k steps,

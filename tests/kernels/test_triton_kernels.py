@@ -102,7 +102,7 @@ def test_q4_row_is_bitwise_independent_of_its_batch_with_split_k(monkeypatch):
 
 
 @pytest.mark.parametrize("n,k", [(72, 512), (80, 160)])
-def test_q4_one_program_per_tile_gives_the_bits_of_the_split_programs(n, k):
+def test_q4_one_program_per_tile_gives_the_bits_of_the_split_programs(n, k, monkeypatch):
     """seq: a program runs its tile's S K-splits itself and sums them in split order (no
     partials in memory) — the bits of S programs and the ticketed sum, so many-row batches
     may take it while a lone row does not."""
@@ -116,6 +116,8 @@ def test_q4_one_program_per_tile_gives_the_bits_of_the_split_programs(n, k):
     one = triton_q4.linear(lin, x, nan(21, n), res, tile=tile, seq=True)
     assert torch.equal(one, split) and not lin.tickets.any()
     assert rel_err(one, lin.reference(x) + res.double()) < TOL["q4"]
+    assert triton_q4.plan(lin, 1) == (q4_layout.SWAP_TILE, False)  # a small weight: swapped
+    monkeypatch.setattr(q4_layout, "SWAP_MIN_ROWS", None)
     assert triton_q4.plan(lin, 1) == (tile, False)
     assert triton_q4.plan(lin, q4_layout.SEQ_MIN_ROWS)[1]
     with pytest.raises(ValueError, match="split tile"):
