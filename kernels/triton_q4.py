@@ -71,6 +71,17 @@ def _nibbles_asm(byt):
 
 
 @triton.jit
+def _dequant(byt, s, m, ASM: tl.constexpr):
+    """Bytes of a 32-block → its (low, high) nibbles' fp16 weights q * s + m (s, m broadcast
+    over the block's 16 bytes)."""
+    if ASM:
+        lo, hi = _nibbles_asm(byt)
+    else:
+        lo, hi = nibbles(byt)
+    return lo * s + m, hi * s + m
+
+
+@triton.jit
 def _q4_step(acc, xr, row_mask, w_tile, sm_tile, n_mask, N, k0, k_hi, NB: tl.constexpr,
              ASM: tl.constexpr):
     """acc += the k step [k0, k0 + 32 NB) (the part below k_hi) of x @ W.T, block by block:
@@ -84,12 +95,7 @@ def _q4_step(acc, xr, row_mask, w_tile, sm_tile, n_mask, N, k0, k_hi, NB: tl.con
         s, m = tl.split(tl.load(sm_tile + blk * (N * 2),
                                 mask=n_mask[:, None] & (kb + tl.arange(0, 2) * 0 < k_hi)[None, :],
                                 other=0.0))
-        if ASM:
-            lo, hi = _nibbles_asm(byt)
-        else:
-            lo, hi = nibbles(byt)
-        lo = lo * s[None, :] + m[None, :]  # [16, BN] fp16 weights of k = kb + j
-        hi = hi * s[None, :] + m[None, :]  # k = kb + 16 + j
+        lo, hi = _dequant(byt, s[None, :], m[None, :], ASM)  # [16, BN]: k = kb + j, kb + 16 + j
         xm = row_mask[:, None] & live[None, :]
         x_lo = tl.load(xr + (kb + j)[None, :], mask=xm, other=0.0).to(tl.float16)
         x_hi = tl.load(xr + (kb + 16 + j)[None, :], mask=xm, other=0.0).to(tl.float16)
@@ -113,12 +119,7 @@ def _q4_step_t(acc, xr, row_mask, w_tile, sm_tile, n_mask, N, k0, k_hi, NB: tl.c
         s, m = tl.split(tl.load(sm_tile + blk * (N * 2),
                                 mask=n_mask[:, None] & (kb + tl.arange(0, 2) * 0 < k_hi)[None, :],
                                 other=0.0))
-        if ASM:
-            lo, hi = _nibbles_asm(byt)
-        else:
-            lo, hi = nibbles(byt)
-        lo = lo * s[:, None] + m[:, None]  # [BN, 16] fp16 weights of k = kb + j
-        hi = hi * s[:, None] + m[:, None]  # k = kb + 16 + j
+        lo, hi = _dequant(byt, s[:, None], m[:, None], ASM)  # [BN, 16]: k = kb + j, kb + 16 + j
         xm = live[:, None] & row_mask[None, :]
         x_lo = tl.load(xr + (kb + j)[:, None], mask=xm, other=0.0).to(tl.float16)  # [16, BM]
         x_hi = tl.load(xr + (kb + 16 + j)[:, None], mask=xm, other=0.0).to(tl.float16)
