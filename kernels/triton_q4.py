@@ -308,8 +308,8 @@ def plan(lin: Q4Linear, rows: int) -> tuple[Q4Tile, bool]:
     """(tile, seq) for `rows` rows of x through lin: SEQ_MIN_ROWS rows or more run each tile's
     K splits in one program (no partials in memory), WIDE_MIN_ROWS or more the wide row tile,
     and a small weight's split programs the swapped tile from SWAP_MIN_ROWS. All give every
-    row the bits of the decode tile with parallel splits (the same MMAs per
-    row, the same split ranges and merge order), so the choice may follow the batch."""
+    row the bits of the decode tile with parallel splits (the same MMA products per row, the
+    same split ranges and merge order), so the choice may follow the batch."""
     seq = lin.split > 1 and rows >= q4_layout.SEQ_MIN_ROWS
     if (q4_layout.SWAP_MIN_ROWS is not None and q4_layout.SWAP_MIN_ROWS <= rows
             < q4_layout.SEQ_MIN_ROWS and lin.out_features < q4_layout.SWAP_MAX_N):
@@ -351,6 +351,6 @@ def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
             xs, lin.qs, lin.sm, res, ys, ws, lin.tickets if parallel else ys,
             ys if trace is None else trace, r1 - r0, big_n, k, xs.stride(0), res.stride(0),
             ys.stride(0), HAS_RES=residual is not None, BM=tile.bm, BN=tile.bn, NB=tile.nb,
-            S=lin.split, SEQ=seq, ASM=asm, TRACE=trace is not None, SWAP=tile.swap, num_warps=tile.warps,
-            num_stages=tile.stages, **triton_pdl.launch(x))
+            S=lin.split, SEQ=seq, ASM=asm, TRACE=trace is not None, SWAP=tile.swap,
+            num_warps=tile.warps, num_stages=tile.stages, **triton_pdl.launch(x))
     return out

@@ -168,8 +168,9 @@ def pick(logits: torch.Tensor, argmax: torch.Tensor, rows: Sequence[tuple[int, S
     On a device, all sampled rows at once: one stable descending sort of their logits, then
     `sample`'s float64 softmax, top-k and top-p cut and inverse CDF at the row's (seed,
     position) draw, one program a row (kernels/triton_sample.py `draw`: the mass is scanned
-    only as far as the row's cut, no [rows, vocab] float64 tensors). The masses are summed in another order than on the
-    host, so it is `sample`'s token but where a draw falls within rounding of a boundary.
+    only as far as the row's cut, no [rows, vocab] float64 tensors). The masses are summed in
+    another order than on the host, so it is `sample`'s token but where a draw falls within
+    rounding of a boundary.
     Every operation acts within a row, so a row's token depends on its own logits, params and
     position only, never on the other rows. On the CPU, row by row (`_draw`: `sample`'s
     token, bit for bit)."""
