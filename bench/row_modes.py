@@ -7,7 +7,7 @@ row is what the engine runs (kernels/triton_q4.py `plan`, kernels/triton_moe.py)
 
     python -m bench.row_modes [--ms 1,8,64,256,1024,4096] [--tiles 32x64x64w1s3,64x64x64w4s3]
         [--ts 1,2,4,8,16,64,512] [--maxnreg 0,128,112] [--dense-tiles 128x128x64w8s3]
-        [--kernels] [--dense-from 256] [--json out.json]
+        [--kernels] [--dense-from 256] [--cuda] [--json out.json]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from bench.gpu_profile import profile_calls
 from bench.kernel_bench import copy_bandwidth, rand_q4, routed_tokens, timed
-from kernels import q4_layout, triton_f16, triton_linear, triton_moe, triton_q4
+from kernels import cuda_q4, q4_layout, triton_f16, triton_linear, triton_moe, triton_q4
 from kernels.moe_layout import StackedExperts
 from kernels.q4_layout import Q4Tile
 
@@ -39,7 +39,7 @@ def _row(kernel, shape, m, mode, ms, nbytes, flops, copy_gbs, same) -> dict:
 
 
 def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles, weights=("qkv", "o", "router"),
-                 dense_from: int = 256) -> list[dict]:
+                 dense_from: int = 256, cuda: bool = False) -> list[dict]:
     g = torch.Generator(DEV).manual_seed(0)
     rows = []
     for name, (n, k) in SHAPES.items():
@@ -61,14 +61,17 @@ def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles, weights=("qkv", "
             modes += [(f"{t.name} seq", dict(tile=t, seq=True)) for t in tiles]
             modes += [(f"dense {t.name}{f' flat{u}' if u else ''}", dict(tile=t, flat=u, f16=1))
                       for t in dense_tiles for u in (0, 1, 2) if m >= dense_from]  # u k steps a loop
+            if cuda:  # the split programs in CUDA C++ (kernels/cuda_q4.py, an experiment)
+                modes.append(("cuda split", dict(cu=1)))
             plan_tile, plan_seq = triton_q4.plan(lin, m)  # what the engine runs: 32s = 32 rows, seq
             dense = triton_f16.plan(lin, m, x)
             plan = f"dense {dense.name}" if dense else f"{plan_tile.bm}{'s' if plan_seq else 'p'}"
             modes.append((f"plan {plan}", dict(plan=1)))
             for label, kw in modes:
                 out = torch.empty(m, n, device=DEV)
-                f16, plan = kw.pop("f16", 0), kw.pop("plan", 0)
-                run = triton_f16.linear if f16 else triton_linear.linear if plan else triton_q4.linear
+                f16, plan, cu = kw.pop("f16", 0), kw.pop("plan", 0), kw.pop("cu", 0)
+                run = (triton_f16.linear if f16 else triton_linear.linear if plan
+                       else cuda_q4.linear if cu else triton_q4.linear)
                 if f16:
                     try:
                         triton_f16.check_unroll(kw.get("flat", 0), k, lin.split, kw["tile"])
@@ -153,6 +156,8 @@ def main() -> None:
                     help="each dense expert mode's kernels, µs per call (torch.profiler)")
     ap.add_argument("--dense-from", type=int, default=256, help="rows from which dense modes run")
     ap.add_argument("--weights", default="qkv,o,router", help=f"linear weights, of {','.join(SHAPES)}")
+    ap.add_argument("--cuda", action="store_true",
+                    help="also the split programs in CUDA C++ (kernels/cuda_q4.py)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     copy_gbs = copy_bandwidth()
@@ -163,7 +168,7 @@ def main() -> None:
     moe_tiles = [(t, r) for t, r in tiles if not t.swap]  # the expert kernels have no swapped form
     dense = [Q4Tile.parse(t) for t in args.dense_tiles.split(",") if t]
     rows = linear_modes(copy_gbs, [int(v) for v in args.ms.split(",") if v], [t for t, _ in tiles], dense,
-                        args.weights.split(","), args.dense_from)
+                        args.weights.split(","), args.dense_from, args.cuda)
     ts = [int(v) for v in args.ts.split(",") if v]
     if ts:  # --ts "": no MoE rows
         rows += moe_modes(copy_gbs, ts, moe_tiles,

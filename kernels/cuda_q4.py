@@ -1,0 +1,335 @@
+"""The q4 GEMM's split programs as a CUDA kernel (an experiment: not on the engine's path).
+
+Triton cannot express the schedule the q4 GEMM at 1-16 rows wants (GPU_NOTES v14), so this is
+the decode tile (kernels/triton_q4.py, LINEAR_TILE with parallel K splits) written in CUDA C++
+with the same arithmetic, to be measured against it:
+
+- x rounded to fp16 (round to nearest even), the weights `q * s + m` as one fp16 FMA
+  (`__hfma2`, the HFMA2 Triton emits), the nibbles unpacked by the same PRMT/LOP3 sequence;
+- `mma.sync.m16n8k16` (f16 x f16 + f32), x as A, the weight as B, k16 chunks in the same order
+  (a 32-block's low nibbles, then its high ones, blocks ascending);
+- the same split ranges (`q4_layout.split_count`), partials in `ws [S, rows, N]`, and the last
+  program of a tile (a ticket) sums them in split order 0..S-1, then adds the residual.
+
+So it should give the decode tile's bits (tests/kernels/test_cuda_q4.py checks that on a GPU).
+What differs is the schedule: one warp per (64 columns, split) as in Triton, but its weights
+read straight from global memory into B fragments (a column's block is 16 contiguous bytes; a
+lane needs bytes 2c, 2c+1, 2c+8, 2c+9 of it, c = lane % 4, for both of the block's k16 chunks)
+with the next k step's loads issued before the current one's MMAs.
+
+Built at run time: NVRTC (found in the nvidia wheels beside torch, or pip's
+nvidia-cuda-nvrtc-cu12) compiles the source to PTX for the device's compute capability, and
+the driver loads the PTX (libcuda `cuModuleLoadData`). `ptx()` runs without a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import os
+import site
+
+import torch
+
+from kernels import q4_layout
+from kernels.q4_layout import LINEAR_TILE, Q4Linear
+
+WARPS = 4  # 64-column tiles (one a warp) per CTA: the warps never interact
+
+SOURCE = r"""
+#include <cuda_fp16.h>
+
+__device__ __forceinline__ unsigned half2_bits(__half2 h) { return *reinterpret_cast<unsigned*>(&h); }
+
+// The two k16 B fragments (low nibbles: k = kb + j; high: k = kb + 16 + j) of one column's
+// block, as fp16 q * s + m, from bytes b0 = 2c, b1 = 2c+1 (in word w0 at byte 2(c&1)) and
+// b2 = 2c+8, b3 = 2c+9 (in w1): kernels/triton_q4.py `_nibbles_asm`, then one HFMA2 a pair.
+__device__ __forceinline__ void dequant(unsigned w0, unsigned w1, unsigned sel, unsigned sm,
+                                        unsigned lo[2], unsigned hi[2]) {
+  unsigned t, u, l0, l1, h0, h1;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(t) : "r"(w0), "r"(w1), "r"(sel));  // b0 b2 b1 b3
+  u = t >> 8;
+  asm("lop3.b32 %0, %1, 0x000F000F, 0x64006400, 0xEA;" : "=r"(l0) : "r"(t));
+  asm("lop3.b32 %0, %1, 0x000F000F, 0x64006400, 0xEA;" : "=r"(l1) : "r"(u));
+  asm("lop3.b32 %0, %1, 0x00F000F0, 0x64006400, 0xEA;" : "=r"(h0) : "r"(t));
+  asm("lop3.b32 %0, %1, 0x00F000F0, 0x64006400, 0xEA;" : "=r"(h1) : "r"(u));
+  const unsigned c0 = 0x64006400u, c1 = 0x2C002C00u, c2 = 0xD400D400u;
+  asm("sub.f16x2 %0, %0, %1;" : "+r"(l0) : "r"(c0));
+  asm("sub.f16x2 %0, %0, %1;" : "+r"(l1) : "r"(c0));
+  asm("fma.rn.f16x2 %0, %0, %1, %2;" : "+r"(h0) : "r"(c1), "r"(c2));
+  asm("fma.rn.f16x2 %0, %0, %1, %2;" : "+r"(h1) : "r"(c1), "r"(c2));
+  // (scale, scale) and (min, min): halves of one word, which the HFMA2 reads as operand
+  // swizzles (H0_H0, H1_H1) rather than moved apart
+  const __half2 pair = *reinterpret_cast<const __half2*>(&sm);
+  const __half2 s2 = __low2half2(pair), m2 = __high2half2(pair);
+  lo[0] = half2_bits(__hfma2(*reinterpret_cast<__half2*>(&l0), s2, m2));
+  lo[1] = half2_bits(__hfma2(*reinterpret_cast<__half2*>(&l1), s2, m2));
+  hi[0] = half2_bits(__hfma2(*reinterpret_cast<__half2*>(&h0), s2, m2));
+  hi[1] = half2_bits(__hfma2(*reinterpret_cast<__half2*>(&h1), s2, m2));
+}
+
+__device__ __forceinline__ void mma(float d[4], const unsigned a[4], const unsigned b[2]) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+               "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// A fragment of x for the k16 chunk at k: rows r0 (a0a1, a4a5) and r0 + 8 (a2a3, a6a7), k =
+// k + 2c, 2c+1 and k + 2c+8, 2c+9; rows past M read 0.
+// ROWS16: the tile's rows 8-15 hold any row of x (else their fragments are 0 without a load).
+template <bool ROWS16>
+__device__ __forceinline__ void x_frag(const float* x0, const float* x1, bool v0, bool v1,
+                                       int k, int c, unsigned a[4]) {
+  float2 p0 = v0 ? *reinterpret_cast<const float2*>(x0 + k + 2 * c) : make_float2(0.f, 0.f);
+  float2 p2 = v0 ? *reinterpret_cast<const float2*>(x0 + k + 2 * c + 8) : make_float2(0.f, 0.f);
+  a[0] = half2_bits(__floats2half2_rn(p0.x, p0.y));
+  a[2] = half2_bits(__floats2half2_rn(p2.x, p2.y));
+  if (ROWS16) {
+    float2 p1 = v1 ? *reinterpret_cast<const float2*>(x1 + k + 2 * c) : make_float2(0.f, 0.f);
+    float2 p3 = v1 ? *reinterpret_cast<const float2*>(x1 + k + 2 * c + 8) : make_float2(0.f, 0.f);
+    a[1] = half2_bits(__floats2half2_rn(p1.x, p1.y));
+    a[3] = half2_bits(__floats2half2_rn(p3.x, p3.y));
+  } else {
+    a[1] = a[3] = 0u;
+  }
+}
+
+// The words lane (g, c) needs of block blk for columns col + 8i, i < 8: bytes 2c, 2c+1 (w0)
+// and 2c+8, 2c+9 (w1) of each column's 16, and its (scale, min) pair (s).
+__device__ __forceinline__ void load_block(const unsigned char* __restrict__ qs,
+                                           const unsigned* __restrict__ sm, int blk, int N,
+                                           int col, int word, unsigned w0[8], unsigned w1[8],
+                                           unsigned s[8]) {
+  const unsigned char* wb = qs + ((long)blk * N + col) * 16 + word;
+  const unsigned* sb = sm + (long)blk * N + col;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    w0[i] = __ldg(reinterpret_cast<const unsigned*>(wb + i * 128));
+    w1[i] = __ldg(reinterpret_cast<const unsigned*>(wb + i * 128 + 8));
+    s[i] = __ldg(sb + i * 8);
+  }
+}
+
+// acc += the block at kb: its low-nibble k16 chunk, then its high one, for the 8 n8 tiles.
+template <bool ROWS16>
+__device__ __forceinline__ void block_mma(float acc[8][4], const float* x0, const float* x1,
+                                          bool v0, bool v1, int kb, int c, unsigned sel,
+                                          const unsigned w0[8], const unsigned w1[8],
+                                          const unsigned s[8]) {
+  unsigned a_lo[4], a_hi[4];
+  x_frag<ROWS16>(x0, x1, v0, v1, kb, c, a_lo);
+  x_frag<ROWS16>(x0, x1, v0, v1, kb + 16, c, a_hi);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    unsigned lo[2], hi[2];
+    dequant(w0[i], w1[i], sel, s[i], lo, hi);
+    mma(acc[i], a_lo, lo);
+    mma(acc[i], a_hi, hi);
+  }
+}
+
+// grid (cdiv(N / 64, WARPS), S, cdiv(M, 16)); block WARPS * 32. Warp w: columns
+// n0 = (blockIdx.x * WARPS + w) * 64 .. + 64, rows m0 = blockIdx.z * 16 .. + 16, K split
+// blockIdx.y. N % 64 == 0, K % 64 == 0 (the host checks). ROWS16: M > 8 (q4_split16).
+template <bool ROWS16>
+__device__ __forceinline__ void q4_split_body(const float* __restrict__ x, const unsigned char* __restrict__ qs,
+                                    const unsigned* __restrict__ sm, const float* __restrict__ res,
+                                    float* __restrict__ y, float* __restrict__ ws,
+                                    int* __restrict__ tickets, int M, int N, int K, int stride_x,
+                                    int stride_res, int stride_y, int S, int has_res) {
+  const int lane = threadIdx.x & 31, c = lane & 3, g = lane >> 2;
+  const int n_tiles = N / 64;
+  const int tile = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (tile >= n_tiles) return;
+  const int n0 = tile * 64, m0 = blockIdx.z * 16, sp = blockIdx.y;
+  const int per = ((K / 64 + S - 1) / S) * 64;
+  const int k_lo = sp * per, k_hi = min(k_lo + per, K);
+  const int r0 = m0 + g, r1 = m0 + g + 8;
+  const bool v0 = r0 < M, v1 = r1 < M;
+  const float* x0 = x + (long)(v0 ? r0 : 0) * stride_x;
+  const float* x1 = x + (long)(v1 ? r1 : 0) * stride_x;
+  const unsigned sel = (c & 1) ? 0x7362u : 0x5140u;
+  const int word = (c >> 1) * 4;  // byte offset of the word holding bytes 2c, 2c+1
+  float acc[8][4];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  // a k step is two blocks (the split ranges are whole k steps of 64): A holds the even
+  // block, B the odd one, each loaded one block ahead of its MMAs
+  unsigned a0[8], a1[8], as[8], b0[8], b1[8], bs[8];
+  const int col = n0 + g;
+  if (k_lo < k_hi) load_block(qs, sm, k_lo >> 5, N, col, word, a0, a1, as);
+  for (int kb = k_lo; kb < k_hi; kb += 64) {
+    load_block(qs, sm, (kb >> 5) + 1, N, col, word, b0, b1, bs);
+    block_mma<ROWS16>(acc, x0, x1, v0, v1, kb, c, sel, a0, a1, as);
+    if (kb + 64 < k_hi) load_block(qs, sm, (kb >> 5) + 2, N, col, word, a0, a1, as);
+    block_mma<ROWS16>(acc, x0, x1, v0, v1, kb + 32, c, sel, b0, b1, bs);
+  }
+  // acc[i]: rows r0 (0, 1) and r1 (2, 3), columns n0 + 8i + 2c, + 1
+  if (S > 1) {
+    const long split_stride = (long)M * N;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int col = n0 + 8 * i + 2 * c;
+      if (v0) *reinterpret_cast<float2*>(ws + sp * split_stride + (long)r0 * N + col) = make_float2(acc[i][0], acc[i][1]);
+      if (v1) *reinterpret_cast<float2*>(ws + sp * split_stride + (long)r1 * N + col) = make_float2(acc[i][2], acc[i][3]);
+    }
+    __threadfence();
+    __syncwarp();
+    int last = 0;
+    if (lane == 0) last = atomicAdd(tickets + blockIdx.z * n_tiles + tile, 1) == S - 1;
+    last = __shfl_sync(0xffffffffu, last, 0);
+    if (!last) return;
+    __threadfence();
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int col = n0 + 8 * i + 2 * c;
+      float2 t0 = make_float2(0.f, 0.f), t1 = make_float2(0.f, 0.f);
+      for (int q = 0; q < S; ++q) {  // split order 0..S-1: the fixed merge order
+        if (v0) {
+          float2 p = __ldcg(reinterpret_cast<const float2*>(ws + q * split_stride + (long)r0 * N + col));
+          t0 = q == 0 ? p : make_float2(t0.x + p.x, t0.y + p.y);
+        }
+        if (v1) {
+          float2 p = __ldcg(reinterpret_cast<const float2*>(ws + q * split_stride + (long)r1 * N + col));
+          t1 = q == 0 ? p : make_float2(t1.x + p.x, t1.y + p.y);
+        }
+      }
+      acc[i][0] = t0.x; acc[i][1] = t0.y; acc[i][2] = t1.x; acc[i][3] = t1.y;
+    }
+    if (lane == 0) atomicExch(tickets + blockIdx.z * n_tiles + tile, 0);
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int col = n0 + 8 * i + 2 * c;
+    if (v0) {
+      float2 o = make_float2(acc[i][0], acc[i][1]);
+      if (has_res) {
+        float2 r = *reinterpret_cast<const float2*>(res + (long)r0 * stride_res + col);
+        o = make_float2(r.x + o.x, r.y + o.y);
+      }
+      *reinterpret_cast<float2*>(y + (long)r0 * stride_y + col) = o;
+    }
+    if (v1) {
+      float2 o = make_float2(acc[i][2], acc[i][3]);
+      if (has_res) {
+        float2 r = *reinterpret_cast<const float2*>(res + (long)r1 * stride_res + col);
+        o = make_float2(r.x + o.x, r.y + o.y);
+      }
+      *reinterpret_cast<float2*>(y + (long)r1 * stride_y + col) = o;
+    }
+  }
+}
+
+#define Q4_ARGS const float* __restrict__ x, const unsigned char* __restrict__ qs, \
+    const unsigned* __restrict__ sm, const float* __restrict__ res, float* __restrict__ y, \
+    float* __restrict__ ws, int* __restrict__ tickets, int M, int N, int K, int stride_x, \
+    int stride_res, int stride_y, int S, int has_res
+#define Q4_PASS x, qs, sm, res, y, ws, tickets, M, N, K, stride_x, stride_res, stride_y, S, has_res
+extern "C" __global__ void q4_split8(Q4_ARGS) { q4_split_body<false>(Q4_PASS); }
+extern "C" __global__ void q4_split16(Q4_ARGS) { q4_split_body<true>(Q4_PASS); }
+"""
+
+
+def _find(pattern: str) -> str | None:
+    """The first file matching pattern under an nvidia/ wheel directory of site-packages
+    (torch's CUDA wheels, or pip's nvidia-cuda-* wheels)."""
+    for root in site.getsitepackages() + [site.getusersitepackages()]:
+        hits = sorted(glob.glob(os.path.join(root, "nvidia", "**", pattern), recursive=True))
+        if hits:
+            return hits[0]
+    return None
+
+
+@functools.cache
+def _nvrtc() -> ctypes.CDLL:
+    lib = _find("libnvrtc.so*[0-9]")
+    if lib is None:
+        raise RuntimeError("cuda_q4: NVRTC not found (pip install nvidia-cuda-nvrtc-cu12)")
+    return ctypes.CDLL(lib)
+
+
+def ptx(arch: str = "compute_90") -> bytes:
+    """SOURCE compiled by NVRTC for `arch` (no GPU needed)."""
+    header = _find("cuda_fp16.h")
+    if header is None:
+        raise RuntimeError("cuda_q4: cuda_fp16.h not found (pip install nvidia-cuda-runtime-cu12)")
+    lib = _nvrtc()
+    prog = ctypes.c_void_p()
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), SOURCE.encode(), b"cuda_q4.cu", 0, None, None):
+        raise RuntimeError("cuda_q4: nvrtcCreateProgram failed")
+    opts = [f"--gpu-architecture={arch}".encode(), b"-default-device", b"-std=c++17",
+            f"-I{os.path.dirname(header)}".encode()]
+    try:
+        rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        size = ctypes.c_size_t()
+        if rc:
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"cuda_q4: NVRTC: {log.value.decode(errors='replace')[:2000]}")
+        lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+        out = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetPTX(prog, out)
+        return out.value
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+ENTRIES = (b"q4_split8", b"q4_split16")  # row tiles of up to 8 rows / of 16
+
+
+@functools.cache
+def _functions(device: int) -> tuple[ctypes.CDLL, dict]:
+    """(libcuda, {entry: function}) loaded into torch's context on `device`."""
+    major, minor = torch.cuda.get_device_capability(device)
+    code = ptx(f"compute_{major}{minor}")
+    torch.zeros(1, device=f"cuda:{device}")  # torch's primary context is current
+    cuda = ctypes.CDLL("libcuda.so.1")
+    mod = ctypes.c_void_p()
+    if cuda.cuModuleLoadData(ctypes.byref(mod), code):
+        raise RuntimeError("cuda_q4: the driver could not load the module")
+    fns = {}
+    for name in ENTRIES:
+        fns[name] = ctypes.c_void_p()
+        if cuda.cuModuleGetFunction(ctypes.byref(fns[name]), mod, name):
+            raise RuntimeError(f"cuda_q4: no kernel {name.decode()}")
+    return cuda, fns
+
+
+def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """out [n, N] = x @ W.T (+ residual), as kernels/triton_q4.py `linear` with LINEAR_TILE and
+    parallel splits computes it; x [n, K] float32 contiguous rows, CUDA tensors; N and K
+    multiples of 64."""
+    n, big_n, k = x.shape[0], lin.out_features, lin.in_features
+    for t in (x, out) + ((residual,) if residual is not None else ()):
+        if not t.is_cuda or t.dtype != torch.float32 or t.stride(1) != 1 or t.stride(0) % 2:
+            raise ValueError("cuda_q4: x, out and residual must be CUDA float32 with contiguous, "
+                             "even-strided rows")
+    if big_n % 64 or k % 64 or LINEAR_TILE.bk != 64:
+        raise ValueError("cuda_q4: N and K must be multiples of 64")
+    if lin.split > 1 and (lin.tickets is None or lin.tickets.numel()
+                          < q4_layout.SPLIT_ROWS // 16 * (big_n // 64)):
+        raise ValueError("cuda_q4: tickets sized for another tile")
+    cuda, fns = _functions(x.device.index or 0)
+    stream = ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream)
+    sm = lin.sm.view(torch.int32)  # (scale, min) fp16 pairs as one word a column
+    for r0 in range(0, n, q4_layout.SPLIT_ROWS):
+        r1 = min(n, r0 + q4_layout.SPLIT_ROWS)
+        xs, ys = x[r0:r1], out[r0:r1]
+        res = residual[r0:r1] if residual is not None else ys
+        ws = (torch.empty(lin.split, r1 - r0, big_n, dtype=torch.float32, device=x.device)
+              if lin.split > 1 else ys)
+        tickets = lin.tickets if lin.split > 1 else sm
+        args = [ctypes.c_void_p(t.data_ptr()) for t in (xs, lin.qs, sm, res, ys, ws, tickets)]
+        args += [ctypes.c_int(v) for v in (r1 - r0, big_n, k, xs.stride(0), res.stride(0),
+                                            ys.stride(0), lin.split, int(residual is not None))]
+        argv = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p)
+                                               for a in args])
+        grid = (-(-(big_n // 64) // WARPS), lin.split, -(-(r1 - r0) // 16))
+        fn = fns[ENTRIES[r1 - r0 > 8]]
+        if cuda.cuLaunchKernel(fn, *grid, WARPS * 32, 1, 1, 0, stream, argv, None):
+            raise RuntimeError("cuda_q4: launch failed")
+    return out

@@ -1,0 +1,65 @@
+"""kernels/cuda_q4.py, the q4 split programs in CUDA C++ (an experiment beside the Triton
+decode tile): its source compiles for sm_90 without a GPU (where NVRTC is installed), and on a
+GPU it gives the decode tile's bits."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import pytest
+import torch
+
+from kernels import cuda_q4
+
+HAVE_NVRTC = cuda_q4._find("libnvrtc.so*[0-9]") is not None and cuda_q4._find("cuda_fp16.h") is not None
+
+
+@pytest.mark.skipif(not HAVE_NVRTC, reason="needs NVRTC and the CUDA headers (nvidia-cuda-nvrtc-cu12, "
+                    "nvidia-cuda-runtime-cu12)")
+def test_the_cuda_q4_source_compiles_for_hopper_without_spills(tmp_path):
+    code = cuda_q4.ptx("compute_90")
+    for name in cuda_q4.ENTRIES:
+        assert b".entry " + name in code
+    assert code.count(b"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") >= 32
+    triton = pytest.importorskip("triton")
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    src = tmp_path / "cuda_q4.ptx"
+    src.write_bytes(code)
+    out = subprocess.run([ptxas, "-arch=sm_90", "-v", str(src), "-o", str(tmp_path / "q4.cubin")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", out.stderr)]
+    assert len(spills) == len(cuda_q4.ENTRIES) and not any(spills)
+
+
+def test_the_cuda_q4_linear_refuses_what_its_kernel_cannot_take():
+    from kernels import q4_layout
+    from kernels.linear import quantize_q4
+
+    lin = q4_layout.repack(quantize_q4(torch.randn(64, 96, generator=torch.Generator().manual_seed(0))))
+    with pytest.raises(ValueError, match="CUDA float32"):
+        cuda_q4.linear(lin, torch.randn(2, 96), torch.empty(2, 64))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n,k", [(5120, 2048), (2048, 4096), (128, 2048), (151936 // 8, 2048)])
+def test_the_cuda_q4_kernel_gives_the_decode_tile_bits(n, k):
+    from bench.kernel_bench import rand_q4
+    from kernels import q4_layout, triton_q4
+
+    g = torch.Generator("cuda").manual_seed(n + k)
+    lin = q4_layout.repack(rand_q4(n, k, g))
+    for m in (1, 5, 8, 9, 16, 40):
+        x = torch.randn(m, k, generator=g, device="cuda")
+        res = torch.randn(m, n, generator=g, device="cuda")
+        want = triton_q4.linear(lin, x, torch.full((m, n), float("nan"), device="cuda"), res,
+                                tile=q4_layout.LINEAR_TILE, seq=False)
+        got = cuda_q4.linear(lin, x, torch.full((m, n), float("nan"), device="cuda"), res)
+        assert torch.equal(got, want), (m, float((got - want).abs().max()))
+        got = cuda_q4.linear(lin, x, torch.full((m, n), float("nan"), device="cuda"))
+        want = triton_q4.linear(lin, x, torch.full((m, n), float("nan"), device="cuda"),
+                                tile=q4_layout.LINEAR_TILE, seq=False)
+        assert torch.equal(got, want), m
+    assert lin.tickets is None or not lin.tickets.any()
