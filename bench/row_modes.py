@@ -62,7 +62,7 @@ def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles, weights=("qkv", "
             modes += [(f"dense {t.name}{f' flat{u}' if u else ''}", dict(tile=t, flat=u, f16=1))
                       for t in dense_tiles for u in (0, 1, 2) if m >= dense_from]  # u k steps a loop
             if cuda:  # the split programs in CUDA C++ (kernels/cuda_q4.py, an experiment)
-                modes.append(("cuda split", dict(cu=1)))
+                modes += [(f"cuda split {c}c", dict(cu=1, cols=c)) for c in (16, 64)]
             plan_tile, plan_seq = triton_q4.plan(lin, m)  # what the engine runs: 32s = 32 rows, seq
             dense = triton_f16.plan(lin, m, x)
             plan = f"dense {dense.name}" if dense else f"{plan_tile.bm}{'s' if plan_seq else 'p'}"

@@ -12,10 +12,12 @@ with the same arithmetic, to be measured against it:
   program of a tile (a ticket) sums them in split order 0..S-1, then adds the residual.
 
 So it should give the decode tile's bits (tests/kernels/test_cuda_q4.py checks that on a GPU).
-What differs is the schedule: one warp per (64 columns, split) as in Triton, but its weights
-read straight from global memory into B fragments (a column's block is 16 contiguous bytes; a
-lane needs bytes 2c, 2c+1, 2c+8, 2c+9 of it, c = lane % 4, for both of the block's k16 chunks)
-with the next k step's loads issued before the current one's MMAs.
+What differs is the schedule: a warp takes 16 columns of a split by default (Triton's tile:
+64), so at 1-16 rows four times the warps keep loads in flight (which columns share a warp
+changes no bit), and its weights go straight from global memory into B fragments (a column's
+block is 16 contiguous bytes; a lane needs bytes 2c, 2c+1, 2c+8, 2c+9 of it, c = lane % 4,
+for both of the block's k16 chunks), each block loaded one block ahead of its MMAs. Its own
+ticket counters (one a row tile and column tile) sit beside the weight, not in it.
 
 Built at run time: NVRTC (found in the nvidia wheels beside torch, or pip's
 nvidia-cuda-nvrtc-cu12) compiles the source to PTX for the device's compute capability, and
@@ -29,18 +31,18 @@ import functools
 import glob
 import os
 import site
+import weakref
 
 import torch
 
 from kernels import q4_layout
 from kernels.q4_layout import LINEAR_TILE, Q4Linear
 
-WARPS = 4  # 64-column tiles (one a warp) per CTA: the warps never interact
-
 SOURCE = r"""
 #include <cuda_fp16.h>
 
 __device__ __forceinline__ unsigned half2_bits(__half2 h) { return *reinterpret_cast<unsigned*>(&h); }
+__device__ __forceinline__ __half2 bits_half2(unsigned u) { return *reinterpret_cast<__half2*>(&u); }
 
 // The two k16 B fragments (low nibbles: k = kb + j; high: k = kb + 16 + j) of one column's
 // block, as fp16 q * s + m, from bytes b0 = 2c, b1 = 2c+1 (in word w0 at byte 2(c&1)) and
@@ -61,12 +63,12 @@ __device__ __forceinline__ void dequant(unsigned w0, unsigned w1, unsigned sel, 
   asm("fma.rn.f16x2 %0, %0, %1, %2;" : "+r"(h1) : "r"(c1), "r"(c2));
   // (scale, scale) and (min, min): halves of one word, which the HFMA2 reads as operand
   // swizzles (H0_H0, H1_H1) rather than moved apart
-  const __half2 pair = *reinterpret_cast<const __half2*>(&sm);
+  const __half2 pair = bits_half2(sm);
   const __half2 s2 = __low2half2(pair), m2 = __high2half2(pair);
-  lo[0] = half2_bits(__hfma2(*reinterpret_cast<__half2*>(&l0), s2, m2));
-  lo[1] = half2_bits(__hfma2(*reinterpret_cast<__half2*>(&l1), s2, m2));
-  hi[0] = half2_bits(__hfma2(*reinterpret_cast<__half2*>(&h0), s2, m2));
-  hi[1] = half2_bits(__hfma2(*reinterpret_cast<__half2*>(&h1), s2, m2));
+  lo[0] = half2_bits(__hfma2(bits_half2(l0), s2, m2));
+  lo[1] = half2_bits(__hfma2(bits_half2(l1), s2, m2));
+  hi[0] = half2_bits(__hfma2(bits_half2(h0), s2, m2));
+  hi[1] = half2_bits(__hfma2(bits_half2(h1), s2, m2));
 }
 
 __device__ __forceinline__ void mma(float d[4], const unsigned a[4], const unsigned b[2]) {
@@ -77,8 +79,8 @@ __device__ __forceinline__ void mma(float d[4], const unsigned a[4], const unsig
 }
 
 // A fragment of x for the k16 chunk at k: rows r0 (a0a1, a4a5) and r0 + 8 (a2a3, a6a7), k =
-// k + 2c, 2c+1 and k + 2c+8, 2c+9; rows past M read 0.
-// ROWS16: the tile's rows 8-15 hold any row of x (else their fragments are 0 without a load).
+// k + 2c, 2c+1 and k + 2c+8, 2c+9; rows past M read 0. ROWS16: the tile's rows 8-15 hold a
+// row of x (else their fragments are 0 without a load).
 template <bool ROWS16>
 __device__ __forceinline__ void x_frag(const float* x0, const float* x1, bool v0, bool v1,
                                        int k, int c, unsigned a[4]) {
@@ -96,33 +98,34 @@ __device__ __forceinline__ void x_frag(const float* x0, const float* x1, bool v0
   }
 }
 
-// The words lane (g, c) needs of block blk for columns col + 8i, i < 8: bytes 2c, 2c+1 (w0)
+// The words lane (g, c) needs of block blk for columns col + 8i, i < NT: bytes 2c, 2c+1 (w0)
 // and 2c+8, 2c+9 (w1) of each column's 16, and its (scale, min) pair (s).
+template <int NT>
 __device__ __forceinline__ void load_block(const unsigned char* __restrict__ qs,
                                            const unsigned* __restrict__ sm, int blk, int N,
-                                           int col, int word, unsigned w0[8], unsigned w1[8],
-                                           unsigned s[8]) {
+                                           int col, int word, unsigned w0[NT], unsigned w1[NT],
+                                           unsigned s[NT]) {
   const unsigned char* wb = qs + ((long)blk * N + col) * 16 + word;
   const unsigned* sb = sm + (long)blk * N + col;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
+  for (int i = 0; i < NT; ++i) {
     w0[i] = __ldg(reinterpret_cast<const unsigned*>(wb + i * 128));
     w1[i] = __ldg(reinterpret_cast<const unsigned*>(wb + i * 128 + 8));
     s[i] = __ldg(sb + i * 8);
   }
 }
 
-// acc += the block at kb: its low-nibble k16 chunk, then its high one, for the 8 n8 tiles.
-template <bool ROWS16>
-__device__ __forceinline__ void block_mma(float acc[8][4], const float* x0, const float* x1,
+// acc += the block at kb: its low-nibble k16 chunk, then its high one, for the NT n8 tiles.
+template <bool ROWS16, int NT>
+__device__ __forceinline__ void block_mma(float acc[NT][4], const float* x0, const float* x1,
                                           bool v0, bool v1, int kb, int c, unsigned sel,
-                                          const unsigned w0[8], const unsigned w1[8],
-                                          const unsigned s[8]) {
+                                          const unsigned w0[NT], const unsigned w1[NT],
+                                          const unsigned s[NT]) {
   unsigned a_lo[4], a_hi[4];
   x_frag<ROWS16>(x0, x1, v0, v1, kb, c, a_lo);
   x_frag<ROWS16>(x0, x1, v0, v1, kb + 16, c, a_hi);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
+  for (int i = 0; i < NT; ++i) {
     unsigned lo[2], hi[2];
     dequant(w0[i], w1[i], sel, s[i], lo, hi);
     mma(acc[i], a_lo, lo);
@@ -130,20 +133,21 @@ __device__ __forceinline__ void block_mma(float acc[8][4], const float* x0, cons
   }
 }
 
-// grid (cdiv(N / 64, WARPS), S, cdiv(M, 16)); block WARPS * 32. Warp w: columns
-// n0 = (blockIdx.x * WARPS + w) * 64 .. + 64, rows m0 = blockIdx.z * 16 .. + 16, K split
-// blockIdx.y. N % 64 == 0, K % 64 == 0 (the host checks). ROWS16: M > 8 (q4_split16).
-template <bool ROWS16>
-__device__ __forceinline__ void q4_split_body(const float* __restrict__ x, const unsigned char* __restrict__ qs,
-                                    const unsigned* __restrict__ sm, const float* __restrict__ res,
-                                    float* __restrict__ y, float* __restrict__ ws,
-                                    int* __restrict__ tickets, int M, int N, int K, int stride_x,
-                                    int stride_res, int stride_y, int S, int has_res) {
+// grid (cdiv(N / (8 NT), warps), S, cdiv(M, 16)); block warps * 32. Warp w: the 8 NT columns
+// from n0 = (blockIdx.x * warps + w) * 8 NT, rows m0 = blockIdx.z * 16 .. + 16, K split
+// blockIdx.y; tickets: one a (row tile, column tile). N % (8 NT) == 0, K % 64 == 0 (the host
+// checks). ROWS16: the launch has more than 8 rows.
+template <bool ROWS16, int NT>
+__device__ __forceinline__ void q4_split(const float* __restrict__ x, const unsigned char* __restrict__ qs,
+                                         const unsigned* __restrict__ sm, const float* __restrict__ res,
+                                         float* __restrict__ y, float* __restrict__ ws,
+                                         int* __restrict__ tickets, int M, int N, int K, int stride_x,
+                                         int stride_res, int stride_y, int S, int has_res) {
   const int lane = threadIdx.x & 31, c = lane & 3, g = lane >> 2;
-  const int n_tiles = N / 64;
+  const int n_tiles = N / (8 * NT);
   const int tile = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (tile >= n_tiles) return;
-  const int n0 = tile * 64, m0 = blockIdx.z * 16, sp = blockIdx.y;
+  const int n0 = tile * 8 * NT, m0 = blockIdx.z * 16, sp = blockIdx.y;
   const int per = ((K / 64 + S - 1) / S) * 64;
   const int k_lo = sp * per, k_hi = min(k_lo + per, K);
   const int r0 = m0 + g, r1 = m0 + g + 8;
@@ -152,28 +156,28 @@ __device__ __forceinline__ void q4_split_body(const float* __restrict__ x, const
   const float* x1 = x + (long)(v1 ? r1 : 0) * stride_x;
   const unsigned sel = (c & 1) ? 0x7362u : 0x5140u;
   const int word = (c >> 1) * 4;  // byte offset of the word holding bytes 2c, 2c+1
-  float acc[8][4];
+  float acc[NT][4];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
   // a k step is two blocks (the split ranges are whole k steps of 64): A holds the even
   // block, B the odd one, each loaded one block ahead of its MMAs
-  unsigned a0[8], a1[8], as[8], b0[8], b1[8], bs[8];
+  unsigned a0[NT], a1[NT], as[NT], b0[NT], b1[NT], bs[NT];
   const int col = n0 + g;
-  if (k_lo < k_hi) load_block(qs, sm, k_lo >> 5, N, col, word, a0, a1, as);
+  if (k_lo < k_hi) load_block<NT>(qs, sm, k_lo >> 5, N, col, word, a0, a1, as);
   for (int kb = k_lo; kb < k_hi; kb += 64) {
-    load_block(qs, sm, (kb >> 5) + 1, N, col, word, b0, b1, bs);
-    block_mma<ROWS16>(acc, x0, x1, v0, v1, kb, c, sel, a0, a1, as);
-    if (kb + 64 < k_hi) load_block(qs, sm, (kb >> 5) + 2, N, col, word, a0, a1, as);
-    block_mma<ROWS16>(acc, x0, x1, v0, v1, kb + 32, c, sel, b0, b1, bs);
+    load_block<NT>(qs, sm, (kb >> 5) + 1, N, col, word, b0, b1, bs);
+    block_mma<ROWS16, NT>(acc, x0, x1, v0, v1, kb, c, sel, a0, a1, as);
+    if (kb + 64 < k_hi) load_block<NT>(qs, sm, (kb >> 5) + 2, N, col, word, a0, a1, as);
+    block_mma<ROWS16, NT>(acc, x0, x1, v0, v1, kb + 32, c, sel, b0, b1, bs);
   }
   // acc[i]: rows r0 (0, 1) and r1 (2, 3), columns n0 + 8i + 2c, + 1
   if (S > 1) {
     const long split_stride = (long)M * N;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int col = n0 + 8 * i + 2 * c;
-      if (v0) *reinterpret_cast<float2*>(ws + sp * split_stride + (long)r0 * N + col) = make_float2(acc[i][0], acc[i][1]);
-      if (v1) *reinterpret_cast<float2*>(ws + sp * split_stride + (long)r1 * N + col) = make_float2(acc[i][2], acc[i][3]);
+    for (int i = 0; i < NT; ++i) {
+      const int cc = n0 + 8 * i + 2 * c;
+      if (v0) *reinterpret_cast<float2*>(ws + sp * split_stride + (long)r0 * N + cc) = make_float2(acc[i][0], acc[i][1]);
+      if (v1) *reinterpret_cast<float2*>(ws + sp * split_stride + (long)r1 * N + cc) = make_float2(acc[i][2], acc[i][3]);
     }
     __threadfence();
     __syncwarp();
@@ -183,16 +187,16 @@ __device__ __forceinline__ void q4_split_body(const float* __restrict__ x, const
     if (!last) return;
     __threadfence();
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int col = n0 + 8 * i + 2 * c;
+    for (int i = 0; i < NT; ++i) {
+      const int cc = n0 + 8 * i + 2 * c;
       float2 t0 = make_float2(0.f, 0.f), t1 = make_float2(0.f, 0.f);
       for (int q = 0; q < S; ++q) {  // split order 0..S-1: the fixed merge order
         if (v0) {
-          float2 p = __ldcg(reinterpret_cast<const float2*>(ws + q * split_stride + (long)r0 * N + col));
+          float2 p = __ldcg(reinterpret_cast<const float2*>(ws + q * split_stride + (long)r0 * N + cc));
           t0 = q == 0 ? p : make_float2(t0.x + p.x, t0.y + p.y);
         }
         if (v1) {
-          float2 p = __ldcg(reinterpret_cast<const float2*>(ws + q * split_stride + (long)r1 * N + col));
+          float2 p = __ldcg(reinterpret_cast<const float2*>(ws + q * split_stride + (long)r1 * N + cc));
           t1 = q == 0 ? p : make_float2(t1.x + p.x, t1.y + p.y);
         }
       }
@@ -201,23 +205,23 @@ __device__ __forceinline__ void q4_split_body(const float* __restrict__ x, const
     if (lane == 0) atomicExch(tickets + blockIdx.z * n_tiles + tile, 0);
   }
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int col = n0 + 8 * i + 2 * c;
+  for (int i = 0; i < NT; ++i) {
+    const int cc = n0 + 8 * i + 2 * c;
     if (v0) {
       float2 o = make_float2(acc[i][0], acc[i][1]);
       if (has_res) {
-        float2 r = *reinterpret_cast<const float2*>(res + (long)r0 * stride_res + col);
+        float2 r = *reinterpret_cast<const float2*>(res + (long)r0 * stride_res + cc);
         o = make_float2(r.x + o.x, r.y + o.y);
       }
-      *reinterpret_cast<float2*>(y + (long)r0 * stride_y + col) = o;
+      *reinterpret_cast<float2*>(y + (long)r0 * stride_y + cc) = o;
     }
     if (v1) {
       float2 o = make_float2(acc[i][2], acc[i][3]);
       if (has_res) {
-        float2 r = *reinterpret_cast<const float2*>(res + (long)r1 * stride_res + col);
+        float2 r = *reinterpret_cast<const float2*>(res + (long)r1 * stride_res + cc);
         o = make_float2(r.x + o.x, r.y + o.y);
       }
-      *reinterpret_cast<float2*>(y + (long)r1 * stride_y + col) = o;
+      *reinterpret_cast<float2*>(y + (long)r1 * stride_y + cc) = o;
     }
   }
 }
@@ -227,8 +231,10 @@ __device__ __forceinline__ void q4_split_body(const float* __restrict__ x, const
     float* __restrict__ ws, int* __restrict__ tickets, int M, int N, int K, int stride_x, \
     int stride_res, int stride_y, int S, int has_res
 #define Q4_PASS x, qs, sm, res, y, ws, tickets, M, N, K, stride_x, stride_res, stride_y, S, has_res
-extern "C" __global__ void q4_split8(Q4_ARGS) { q4_split_body<false>(Q4_PASS); }
-extern "C" __global__ void q4_split16(Q4_ARGS) { q4_split_body<true>(Q4_PASS); }
+#define Q4_ENTRY(ROWS, NT) extern "C" __global__ void q4_split##ROWS##_##NT(Q4_ARGS) { \
+    q4_split<ROWS == 16, NT>(Q4_PASS); }
+Q4_ENTRY(8, 2) Q4_ENTRY(8, 4) Q4_ENTRY(8, 8)
+Q4_ENTRY(16, 2) Q4_ENTRY(16, 4) Q4_ENTRY(16, 8)
 """
 
 
@@ -277,7 +283,10 @@ def ptx(arch: str = "compute_90") -> bytes:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-ENTRIES = (b"q4_split8", b"q4_split16")  # row tiles of up to 8 rows / of 16
+# kernel entries: rows of a launch up to 8 / up to 16 a row tile, x columns a warp (8 NT)
+ENTRIES = tuple(f"q4_split{rows}_{cols // 8}".encode() for rows in (8, 16) for cols in (16, 32, 64))
+COLS = 16  # columns a warp by default: more warps in flight at 1-16 rows (GPU_NOTES v14)
+_TICKETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Q4Linear → {cols: tickets}
 
 
 @functools.cache
@@ -298,38 +307,45 @@ def _functions(device: int) -> tuple[ctypes.CDLL, dict]:
     return cuda, fns
 
 
+def _tickets(lin: Q4Linear, cols: int) -> torch.Tensor:
+    """The ticket counters of lin's split programs for column tiles of `cols` (zero between
+    launches: the last program of a tile resets its own), one a (row tile, column tile)."""
+    per = _TICKETS.setdefault(lin, {})
+    if cols not in per:
+        per[cols] = torch.zeros(q4_layout.SPLIT_ROWS // 16 * (lin.out_features // cols),
+                                dtype=torch.int32, device=lin.qs.device)
+    return per[cols]
+
+
 def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
+           residual: torch.Tensor | None = None, cols: int = COLS, warps: int = 1) -> torch.Tensor:
     """out [n, N] = x @ W.T (+ residual), as kernels/triton_q4.py `linear` with LINEAR_TILE and
-    parallel splits computes it; x [n, K] float32 contiguous rows, CUDA tensors; N and K
-    multiples of 64."""
+    parallel splits computes it; x [n, K] float32 contiguous rows, CUDA tensors; N a multiple
+    of `cols` (16, 32 or 64 columns a warp; `warps` warps a CTA), K of 64."""
     n, big_n, k = x.shape[0], lin.out_features, lin.in_features
     for t in (x, out) + ((residual,) if residual is not None else ()):
         if not t.is_cuda or t.dtype != torch.float32 or t.stride(1) != 1 or t.stride(0) % 2:
             raise ValueError("cuda_q4: x, out and residual must be CUDA float32 with contiguous, "
                              "even-strided rows")
-    if big_n % 64 or k % 64 or LINEAR_TILE.bk != 64:
-        raise ValueError("cuda_q4: N and K must be multiples of 64")
-    if lin.split > 1 and (lin.tickets is None or lin.tickets.numel()
-                          < q4_layout.SPLIT_ROWS // 16 * (big_n // 64)):
-        raise ValueError("cuda_q4: tickets sized for another tile")
+    if cols not in (16, 32, 64) or big_n % cols or k % 64 or LINEAR_TILE.bk != 64:
+        raise ValueError("cuda_q4: cols 16, 32 or 64 dividing N; K a multiple of 64")
     cuda, fns = _functions(x.device.index or 0)
     stream = ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream)
     sm = lin.sm.view(torch.int32)  # (scale, min) fp16 pairs as one word a column
+    tickets = _tickets(lin, cols) if lin.split > 1 else sm
     for r0 in range(0, n, q4_layout.SPLIT_ROWS):
         r1 = min(n, r0 + q4_layout.SPLIT_ROWS)
         xs, ys = x[r0:r1], out[r0:r1]
         res = residual[r0:r1] if residual is not None else ys
         ws = (torch.empty(lin.split, r1 - r0, big_n, dtype=torch.float32, device=x.device)
               if lin.split > 1 else ys)
-        tickets = lin.tickets if lin.split > 1 else sm
         args = [ctypes.c_void_p(t.data_ptr()) for t in (xs, lin.qs, sm, res, ys, ws, tickets)]
         args += [ctypes.c_int(v) for v in (r1 - r0, big_n, k, xs.stride(0), res.stride(0),
                                             ys.stride(0), lin.split, int(residual is not None))]
         argv = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p)
                                                for a in args])
-        grid = (-(-(big_n // 64) // WARPS), lin.split, -(-(r1 - r0) // 16))
-        fn = fns[ENTRIES[r1 - r0 > 8]]
-        if cuda.cuLaunchKernel(fn, *grid, WARPS * 32, 1, 1, 0, stream, argv, None):
+        grid = (-(-(big_n // cols) // warps), lin.split, -(-(r1 - r0) // 16))
+        fn = fns[f"q4_split{16 if r1 - r0 > 8 else 8}_{cols // 8}".encode()]
+        if cuda.cuLaunchKernel(fn, *grid, warps * 32, 1, 1, 0, stream, argv, None):
             raise RuntimeError("cuda_q4: launch failed")
     return out

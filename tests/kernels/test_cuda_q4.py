@@ -56,10 +56,12 @@ def test_the_cuda_q4_kernel_gives_the_decode_tile_bits(n, k):
         res = torch.randn(m, n, generator=g, device="cuda")
         want = triton_q4.linear(lin, x, torch.full((m, n), float("nan"), device="cuda"), res,
                                 tile=q4_layout.LINEAR_TILE, seq=False)
-        got = cuda_q4.linear(lin, x, torch.full((m, n), float("nan"), device="cuda"), res)
-        assert torch.equal(got, want), (m, float((got - want).abs().max()))
+        for cols, warps in ((16, 1), (32, 1), (64, 1), (64, 4)):
+            got = cuda_q4.linear(lin, x, torch.full((m, n), float("nan"), device="cuda"), res,
+                                 cols=cols, warps=warps)
+            assert torch.equal(got, want), (m, cols, warps, float((got - want).abs().max()))
         got = cuda_q4.linear(lin, x, torch.full((m, n), float("nan"), device="cuda"))
         want = triton_q4.linear(lin, x, torch.full((m, n), float("nan"), device="cuda"),
                                 tile=q4_layout.LINEAR_TILE, seq=False)
         assert torch.equal(got, want), m
-    assert lin.tickets is None or not lin.tickets.any()
+    assert lin.split == 1 or not any(t.any() for t in cuda_q4._TICKETS[lin].values())
