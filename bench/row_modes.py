@@ -144,7 +144,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,8,64,256,1024,4096", help="rows of x (linear)")
     ap.add_argument("--ts", default="1,2,4,8,16,64,512", help="tokens (MoE experts, top-8)")
-    ap.add_argument("--tiles", default="32x64x64w1s3,64x64x64w1s3,64x64x64w4s3,64x64x64w4s3t",
+    ap.add_argument("--tiles", default="32x64x64w1s3,64x64x64w1s3,64x64x64w4s3,16x64x64w4s3t",
                     help="row tiles (BN and BK of the decode tile; a trailing t: the weights as "
                          "the MMA's A operand, linear only); a trailing rN caps the expert "
                          "kernels' registers at N for that tile")
