@@ -17,6 +17,16 @@ def apply(mode: str) -> None:
         q4_layout.SWAP_MIN_ROWS = int(re.search(r'swap([0-9]+)', mode).group(1))
     if re.search(r'swapn[0-9]+', mode):  # ... for weights with fewer than N outputs
         q4_layout.SWAP_MAX_N = int(re.search(r'swapn([0-9]+)', mode).group(1))
+    if re.search(r'cuda[0-9]+', mode):  # q4 linears of up to N rows on kernels/cuda_q4.py
+        from kernels import triton_linear
+        triton_linear.CUDA_MAX_ROWS = int(re.search(r'cuda([0-9]+)', mode).group(1))
+    if re.search(r'cudan[0-9]+', mode):  # ... for weights of up to N outputs
+        from kernels import triton_linear
+        triton_linear.CUDA_MAX_N = int(re.search(r'cudan([0-9]+)', mode).group(1))
+    if re.search(r'cudacols[0-9]+d[0-9]+', mode):  # ... its columns a warp and ring depth
+        from kernels import cuda_q4
+        c, d = re.search(r'cudacols([0-9]+)d([0-9]+)', mode).groups()
+        cuda_q4.COLS, cuda_q4.DEPTH = int(c), int(d)
     if 'novarlen' in mode:  # prefill attention: a FlashAttention call per piece per stream (v10)
         from kernels import prefill
         prefill.VARLEN = False

@@ -38,14 +38,32 @@ def _row(kernel, shape, m, mode, ms, nbytes, flops, copy_gbs, same) -> dict:
     return r
 
 
+# (columns a warp, blocks in flight) of the CUDA split programs timed with --cuda
+CUDA_VARIANTS = ((16, 8), (32, 4), (8, 0), (16, 0), (32, 0))
+
+
+def _roomy(lin: q4_layout.Q4Linear) -> q4_layout.Q4Linear:
+    """lin with ticket counters for any row tile of 16+ rows and 16+ columns (repack sizes
+    them for LINEAR_TILE), so every tile can run its split programs."""
+    if lin.tickets is None:
+        return lin
+    n_tiles = -(-lin.out_features // 16)
+    return replace(lin, tickets=torch.zeros(q4_layout.SPLIT_ROWS // 16 * n_tiles,
+                                            dtype=torch.int32, device=lin.qs.device))
+
+
 def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles, weights=("qkv", "o", "router"),
-                 dense_from: int = 256, cuda: bool = False) -> list[dict]:
+                 dense_from: int = 256, cuda: bool = False, cold: int = 0) -> list[dict]:
+    """cold > 0: each timed call reads the next of that many copies of the weight (as the
+    engine's layers do: at 128 MB or more, none is in L2 when its turn comes); bits are
+    checked on the first copy."""
     g = torch.Generator(DEV).manual_seed(0)
     rows = []
     for name, (n, k) in SHAPES.items():
         if name not in weights:
             continue
-        lin = q4_layout.repack(rand_q4(n, k, g))
+        copies = [_roomy(q4_layout.repack(rand_q4(n, k, g))) for _ in range(max(cold, 1))]
+        lin = copies[0]
         nbytes = lin.qs.nbytes + lin.sm.nbytes
         ms = timed(lambda: triton_f16.dequantize(lin.qs, lin.sm), "dequantize")
         rows.append(_row("dequant", name, 0, "fp16 W.T", ms, nbytes + 2 * n * k, 0, copy_gbs, True))
@@ -57,12 +75,16 @@ def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles, weights=("qkv", "
             # engine's dispatch, triton_linear.linear)
             modes = [("split", dict(tile=q4_layout.LINEAR_TILE, seq=False)),
                      ("seq", dict(tile=q4_layout.LINEAR_TILE, seq=True))]
-            modes += [(f"{t.name} split", dict(tile=t, seq=False)) for t in tiles if t.warps == 1 or t.swap]
+            modes += [(f"{t.name} split", dict(tile=t, seq=False)) for t in tiles]
             modes += [(f"{t.name} seq", dict(tile=t, seq=True)) for t in tiles]
             modes += [(f"dense {t.name}{f' flat{u}' if u else ''}", dict(tile=t, flat=u, f16=1))
                       for t in dense_tiles for u in (0, 1, 2) if m >= dense_from]  # u k steps a loop
             if cuda:  # the split programs in CUDA C++ (kernels/cuda_q4.py, an experiment)
-                modes += [(f"cuda split {c}c", dict(cu=1, cols=c)) for c in (16, 64)]
+                modes += [(f"cuda split {c}c {f'd{d}' if d else 'stream'}", dict(cu=1, cols=c, depth=d))
+                          for c, d in CUDA_VARIANTS if n % c == 0]
+                if m <= 8:  # what its loads alone / without the split merge take (wrong values)
+                    modes += [(f"cuda probe {p.decode()}", dict(cu=1, cols=16, depth=0, probe=p))
+                              for p in cuda_q4.PROBES]
             plan_tile, plan_seq = triton_q4.plan(lin, m)  # what the engine runs: 32s = 32 rows, seq
             dense = triton_f16.plan(lin, m, x)
             plan = f"dense {dense.name}" if dense else f"{plan_tile.bm}{'s' if plan_seq else 'p'}"
@@ -78,9 +100,10 @@ def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles, weights=("qkv", "
                     except ValueError as e:
                         print(f"linear   {name:<8} {m:>5} {label:<22} skipped: {e}", flush=True)
                         continue
-                fn = lambda: run(lin, x, out, **kw)  # noqa: E731
+                turn = iter(range(1 << 30))
+                fn = lambda: run(copies[next(turn) % len(copies)], x, out, **kw)  # noqa: E731
                 ms = timed(fn, label)
-                same = ms == ms and torch.equal(out, ref)
+                same = ms == ms and torch.equal(run(lin, x, out, **kw), ref)
                 rows.append(_row("linear", name, m, label, ms, nbytes + 4 * m * (k + n),
                                  2 * m * n * k, copy_gbs, same))
     return rows
@@ -158,6 +181,8 @@ def main() -> None:
     ap.add_argument("--weights", default="qkv,o,router", help=f"linear weights, of {','.join(SHAPES)}")
     ap.add_argument("--cuda", action="store_true",
                     help="also the split programs in CUDA C++ (kernels/cuda_q4.py)")
+    ap.add_argument("--cold", type=int, default=0,
+                    help="linear: time over this many copies of each weight (none in L2)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     copy_gbs = copy_bandwidth()
@@ -168,7 +193,7 @@ def main() -> None:
     moe_tiles = [(t, r) for t, r in tiles if not t.swap]  # the expert kernels have no swapped form
     dense = [Q4Tile.parse(t) for t in args.dense_tiles.split(",") if t]
     rows = linear_modes(copy_gbs, [int(v) for v in args.ms.split(",") if v], [t for t, _ in tiles], dense,
-                        args.weights.split(","), args.dense_from, args.cuda)
+                        args.weights.split(","), args.dense_from, args.cuda, args.cold)
     ts = [int(v) for v in args.ts.split(",") if v]
     if ts:  # --ts "": no MoE rows
         rows += moe_modes(copy_gbs, ts, moe_tiles,

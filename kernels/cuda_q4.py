@@ -78,35 +78,43 @@ __device__ __forceinline__ void mma(float d[4], const unsigned a[4], const unsig
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// A fragment of x for the k16 chunk at k: rows r0 (a0a1, a4a5) and r0 + 8 (a2a3, a6a7), k =
-// k + 2c, 2c+1 and k + 2c+8, 2c+9; rows past M read 0. ROWS16: the tile's rows 8-15 hold a
-// row of x (else their fragments are 0 without a load).
+// x for the block at kb, raw: row r0's pairs (k = kb + 2c, 2c+1; + 8; + 16; + 24) in p[0..3]
+// and, ROWS16, row r0 + 8's in p[4..7]; rows past M read 0. (Loaded with the block's weights,
+// D blocks ahead, so no x load sits in the MMA chain.)
 template <bool ROWS16>
-__device__ __forceinline__ void x_frag(const float* x0, const float* x1, bool v0, bool v1,
-                                       int k, int c, unsigned a[4]) {
-  float2 p0 = v0 ? *reinterpret_cast<const float2*>(x0 + k + 2 * c) : make_float2(0.f, 0.f);
-  float2 p2 = v0 ? *reinterpret_cast<const float2*>(x0 + k + 2 * c + 8) : make_float2(0.f, 0.f);
-  a[0] = half2_bits(__floats2half2_rn(p0.x, p0.y));
-  a[2] = half2_bits(__floats2half2_rn(p2.x, p2.y));
+__device__ __forceinline__ void load_x(const float* x0, const float* x1, bool v0, bool v1,
+                                       int kb, int c, float2 p[ROWS16 ? 8 : 4]) {
+#pragma unroll
+  for (int h = 0; h < 4; ++h)
+    p[h] = v0 ? __ldg(reinterpret_cast<const float2*>(x0 + kb + 2 * c + 8 * h)) : make_float2(0.f, 0.f);
   if (ROWS16) {
-    float2 p1 = v1 ? *reinterpret_cast<const float2*>(x1 + k + 2 * c) : make_float2(0.f, 0.f);
-    float2 p3 = v1 ? *reinterpret_cast<const float2*>(x1 + k + 2 * c + 8) : make_float2(0.f, 0.f);
-    a[1] = half2_bits(__floats2half2_rn(p1.x, p1.y));
-    a[3] = half2_bits(__floats2half2_rn(p3.x, p3.y));
+#pragma unroll
+    for (int h = 0; h < 4; ++h)
+      p[4 + h] = v1 ? __ldg(reinterpret_cast<const float2*>(x1 + kb + 2 * c + 8 * h)) : make_float2(0.f, 0.f);
+  }
+}
+
+// The A fragment of the k16 chunk `chunk` (0: k = kb..kb+15, 1: kb+16..kb+31) from load_x's
+// pairs: rows r0 (a0a1, a4a5) and r0 + 8 (a2a3, a6a7), k = 2c, 2c+1 and 2c+8, 2c+9, rounded to
+// fp16 (nearest even); rows 8-15 are 0 unless ROWS16.
+template <bool ROWS16>
+__device__ __forceinline__ void x_frag(const float2* p, int chunk, unsigned a[4]) {
+  a[0] = half2_bits(__floats2half2_rn(p[2 * chunk].x, p[2 * chunk].y));
+  a[2] = half2_bits(__floats2half2_rn(p[2 * chunk + 1].x, p[2 * chunk + 1].y));
+  if (ROWS16) {
+    a[1] = half2_bits(__floats2half2_rn(p[4 + 2 * chunk].x, p[4 + 2 * chunk].y));
+    a[3] = half2_bits(__floats2half2_rn(p[5 + 2 * chunk].x, p[5 + 2 * chunk].y));
   } else {
     a[1] = a[3] = 0u;
   }
 }
 
-// The words lane (g, c) needs of block blk for columns col + 8i, i < NT: bytes 2c, 2c+1 (w0)
-// and 2c+8, 2c+9 (w1) of each column's 16, and its (scale, min) pair (s).
+// The words lane (g, c) needs of one block for columns col + 8i, i < NT: bytes 2c, 2c+1 (w0)
+// and 2c+8, 2c+9 (w1) of each column's 16, and its (scale, min) pair (s); wb and sb point at
+// the lane's word and pair of the block's column col.
 template <int NT>
-__device__ __forceinline__ void load_block(const unsigned char* __restrict__ qs,
-                                           const unsigned* __restrict__ sm, int blk, int N,
-                                           int col, int word, unsigned w0[NT], unsigned w1[NT],
-                                           unsigned s[NT]) {
-  const unsigned char* wb = qs + ((long)blk * N + col) * 16 + word;
-  const unsigned* sb = sm + (long)blk * N + col;
+__device__ __forceinline__ void load_block(const unsigned char* wb, const unsigned* sb,
+                                           unsigned w0[NT], unsigned w1[NT], unsigned s[NT]) {
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
     w0[i] = __ldg(reinterpret_cast<const unsigned*>(wb + i * 128));
@@ -117,13 +125,12 @@ __device__ __forceinline__ void load_block(const unsigned char* __restrict__ qs,
 
 // acc += the block at kb: its low-nibble k16 chunk, then its high one, for the NT n8 tiles.
 template <bool ROWS16, int NT>
-__device__ __forceinline__ void block_mma(float acc[NT][4], const float* x0, const float* x1,
-                                          bool v0, bool v1, int kb, int c, unsigned sel,
+__device__ __forceinline__ void block_mma(float acc[NT][4], const float2* p, unsigned sel,
                                           const unsigned w0[NT], const unsigned w1[NT],
                                           const unsigned s[NT]) {
   unsigned a_lo[4], a_hi[4];
-  x_frag<ROWS16>(x0, x1, v0, v1, kb, c, a_lo);
-  x_frag<ROWS16>(x0, x1, v0, v1, kb + 16, c, a_hi);
+  x_frag<ROWS16>(p, 0, a_lo);
+  x_frag<ROWS16>(p, 1, a_hi);
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
     unsigned lo[2], hi[2];
@@ -133,11 +140,112 @@ __device__ __forceinline__ void block_mma(float acc[NT][4], const float* x0, con
   }
 }
 
+// acc += the split [k_lo, k_hi) of the 8 NT columns from n0, its blocks through a ring of D
+// register slots: D blocks' loads (weights and x) in flight ahead of the MMAs, which take the
+// blocks in ascending order. nb % D == 0 (the host picks D); the last round only computes.
+template <bool ROWS16, int NT, int D>
+__device__ __forceinline__ void ring_acc(float acc[NT][4], const unsigned char* __restrict__ qs,
+                                         const unsigned* __restrict__ sm, const float* x0,
+                                         const float* x1, bool v0, bool v1, int N, int k_lo,
+                                         int k_hi, int n0, int g, int c, int word, unsigned sel) {
+  unsigned w0[D][NT], w1[D][NT], wsm[D][NT];
+  float2 xp[D][ROWS16 ? 8 : 4];
+  const int nb = (k_hi - k_lo) >> 5;
+  const long wstep = (long)N * 16;  // bytes from a column's block to its next block
+  const unsigned char* wb = qs + ((long)(k_lo >> 5) * N + n0 + g) * 16 + word;
+  const unsigned* sb = sm + (long)(k_lo >> 5) * N + n0 + g;
+  const float* xa = x0 + k_lo;
+  const float* xb = x1 + k_lo;
+#pragma unroll
+  for (int j = 0; j < D; ++j) {
+    load_block<NT>(wb, sb, w0[j], w1[j], wsm[j]);
+    load_x<ROWS16>(xa, xb, v0, v1, 0, c, xp[j]);
+    wb += wstep; sb += N; xa += 32; xb += 32;
+  }
+  for (int r = D; r < nb; r += D) {
+#pragma unroll
+    for (int j = 0; j < D; ++j) {
+      block_mma<ROWS16, NT>(acc, xp[j], sel, w0[j], w1[j], wsm[j]);
+      load_block<NT>(wb, sb, w0[j], w1[j], wsm[j]);
+      load_x<ROWS16>(xa, xb, v0, v1, 0, c, xp[j]);
+      wb += wstep; sb += N; xa += 32; xb += 32;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < D; ++j) block_mma<ROWS16, NT>(acc, xp[j], sel, w0[j], w1[j], wsm[j]);
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d), "l"(src) : "memory");
+}
+
+// acc += the same split, its weights streamed whole into shared memory first: the warp issues
+// cp.async for all its blocks at once (4 commit groups of nb / 4 blocks), so every byte of the
+// split is in flight together, then computes each group as it lands (x through a 4-slot
+// register ring). Shared memory: nb x 8 NT x 20 bytes a warp (one warp a CTA). nb % 16 == 0.
+template <bool ROWS16, int NT, int P = 0>
+__device__ __forceinline__ void stream_acc(float acc[NT][4], const unsigned char* __restrict__ qs,
+                                           const unsigned* __restrict__ sm, const float* x0,
+                                           const float* x1, bool v0, bool v1, int N, int k_lo,
+                                           int k_hi, int n0, int g, int c, int word, unsigned sel) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  constexpr int QB = NT * 8 * 16, SB = NT * 8 * 4, CH = (QB + SB) / 16;  // bytes, 16 B chunks a block
+  const int lane = threadIdx.x & 31;
+  const int nb = (k_hi - k_lo) >> 5, per_group = nb >> 2;
+  unsigned char* sq = smem + (threadIdx.x >> 5) * nb * (QB + SB);  // this warp's part
+  unsigned char* ss = sq + nb * QB;
+  const unsigned char* gq = qs + ((long)(k_lo >> 5) * N + n0) * 16;
+  const unsigned char* gs = reinterpret_cast<const unsigned char*>(sm + (long)(k_lo >> 5) * N + n0);
+#pragma unroll
+  for (int grp = 0; grp < 4; ++grp) {
+    for (int i = lane; i < per_group * CH; i += 32) {
+      const int b = grp * per_group + i / CH, ch = i % CH;
+      if (ch < QB / 16)
+        cp_async16(sq + b * QB + ch * 16, gq + (long)b * N * 16 + ch * 16);
+      else
+        cp_async16(ss + b * SB + (ch - QB / 16) * 16, gs + (long)b * N * 4 + (ch - QB / 16) * 16);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  }
+  float2 xp[4][ROWS16 ? 8 : 4];
+  const float* xa = x0 + k_lo;
+  const float* xb = x1 + k_lo;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) load_x<ROWS16>(xa, xb, v0, v1, 32 * j, c, xp[j]);
+#pragma unroll
+  for (int grp = 0; grp < 4; ++grp) {
+    if (grp == 0) asm volatile("cp.async.wait_group 3;" ::: "memory");
+    if (grp == 1) asm volatile("cp.async.wait_group 2;" ::: "memory");
+    if (grp == 2) asm volatile("cp.async.wait_group 1;" ::: "memory");
+    if (grp == 3) asm volatile("cp.async.wait_group 0;" ::: "memory");
+    __syncwarp();
+    for (int b0 = grp * per_group; b0 < (grp + 1) * per_group; b0 += 4) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int b = b0 + j;
+        unsigned w0[NT], w1[NT], s[NT];
+#pragma unroll
+        for (int i = 0; i < NT; ++i) {
+          w0[i] = *reinterpret_cast<const unsigned*>(sq + b * QB + (g + 8 * i) * 16 + word);
+          w1[i] = *reinterpret_cast<const unsigned*>(sq + b * QB + (g + 8 * i) * 16 + word + 8);
+          s[i] = *reinterpret_cast<const unsigned*>(ss + b * SB + (g + 8 * i) * 4);
+        }
+        if constexpr (P == 1)  // probe: the loads alone
+          acc[0][0] += __uint_as_float((w0[0] ^ w1[NT - 1] ^ s[0]) & 0x3FFFFFu);
+        else
+          block_mma<ROWS16, NT>(acc, xp[j], sel, w0, w1, s);
+        if (b + 4 < nb) load_x<ROWS16>(xa, xb, v0, v1, 32 * (b + 4), c, xp[j]);
+      }
+    }
+  }
+}
+
 // grid (cdiv(N / (8 NT), warps), S, cdiv(M, 16)); block warps * 32. Warp w: the 8 NT columns
 // from n0 = (blockIdx.x * warps + w) * 8 NT, rows m0 = blockIdx.z * 16 .. + 16, K split
 // blockIdx.y; tickets: one a (row tile, column tile). N % (8 NT) == 0, K % 64 == 0 (the host
 // checks). ROWS16: the launch has more than 8 rows.
-template <bool ROWS16, int NT>
+template <bool ROWS16, int NT, int D, int P = 0>
 __device__ __forceinline__ void q4_split(const float* __restrict__ x, const unsigned char* __restrict__ qs,
                                          const unsigned* __restrict__ sm, const float* __restrict__ res,
                                          float* __restrict__ y, float* __restrict__ ws,
@@ -159,19 +267,12 @@ __device__ __forceinline__ void q4_split(const float* __restrict__ x, const unsi
   float acc[NT][4];
 #pragma unroll
   for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-  // a k step is two blocks (the split ranges are whole k steps of 64): A holds the even
-  // block, B the odd one, each loaded one block ahead of its MMAs
-  unsigned a0[NT], a1[NT], as[NT], b0[NT], b1[NT], bs[NT];
-  const int col = n0 + g;
-  if (k_lo < k_hi) load_block<NT>(qs, sm, k_lo >> 5, N, col, word, a0, a1, as);
-  for (int kb = k_lo; kb < k_hi; kb += 64) {
-    load_block<NT>(qs, sm, (kb >> 5) + 1, N, col, word, b0, b1, bs);
-    block_mma<ROWS16, NT>(acc, x0, x1, v0, v1, kb, c, sel, a0, a1, as);
-    if (kb + 64 < k_hi) load_block<NT>(qs, sm, (kb >> 5) + 2, N, col, word, a0, a1, as);
-    block_mma<ROWS16, NT>(acc, x0, x1, v0, v1, kb + 32, c, sel, b0, b1, bs);
-  }
+  if constexpr (D == 0)
+    stream_acc<ROWS16, NT, P>(acc, qs, sm, x0, x1, v0, v1, N, k_lo, k_hi, n0, g, c, word, sel);
+  else
+    ring_acc<ROWS16, NT, D>(acc, qs, sm, x0, x1, v0, v1, N, k_lo, k_hi, n0, g, c, word, sel);
   // acc[i]: rows r0 (0, 1) and r1 (2, 3), columns n0 + 8i + 2c, + 1
-  if (S > 1) {
+  if (S > 1 && P == 0) {
     const long split_stride = (long)M * N;
 #pragma unroll
     for (int i = 0; i < NT; ++i) {
@@ -231,10 +332,18 @@ __device__ __forceinline__ void q4_split(const float* __restrict__ x, const unsi
     float* __restrict__ ws, int* __restrict__ tickets, int M, int N, int K, int stride_x, \
     int stride_res, int stride_y, int S, int has_res
 #define Q4_PASS x, qs, sm, res, y, ws, tickets, M, N, K, stride_x, stride_res, stride_y, S, has_res
-#define Q4_ENTRY(ROWS, NT) extern "C" __global__ void q4_split##ROWS##_##NT(Q4_ARGS) { \
-    q4_split<ROWS == 16, NT>(Q4_PASS); }
-Q4_ENTRY(8, 2) Q4_ENTRY(8, 4) Q4_ENTRY(8, 8)
-Q4_ENTRY(16, 2) Q4_ENTRY(16, 4) Q4_ENTRY(16, 8)
+#define Q4_ENTRY(ROWS, NT, D) extern "C" __global__ void q4_split##ROWS##_##NT##_d##D(Q4_ARGS) { \
+    q4_split<ROWS == 16, NT, D>(Q4_PASS); }
+// (NT x D ≤ 16: the ring's registers without spills)
+#define Q4_ROWS(ROWS) Q4_ENTRY(ROWS, 1, 2) Q4_ENTRY(ROWS, 1, 4) Q4_ENTRY(ROWS, 2, 2) \
+    Q4_ENTRY(ROWS, 2, 4) Q4_ENTRY(ROWS, 4, 2) Q4_ENTRY(ROWS, 4, 4)
+Q4_ROWS(8) Q4_ROWS(16) Q4_ENTRY(8, 1, 8) Q4_ENTRY(8, 2, 8)  // (16 rows at depth 8 spill)
+// probes (bench only, wrong values): P 1 the streamed loads without the MMAs, P 2 without the
+// split merge (every split writes y)
+extern "C" __global__ void q4_probe1(Q4_ARGS) { q4_split<false, 2, 0, 1>(Q4_PASS); }
+extern "C" __global__ void q4_probe2(Q4_ARGS) { q4_split<false, 2, 0, 2>(Q4_PASS); }
+// depth 0: the split streamed whole into shared memory (stream_acc)
+Q4_ENTRY(8, 1, 0) Q4_ENTRY(8, 2, 0) Q4_ENTRY(8, 4, 0) Q4_ENTRY(16, 1, 0) Q4_ENTRY(16, 2, 0) Q4_ENTRY(16, 4, 0)
 """
 
 
@@ -284,8 +393,12 @@ def ptx(arch: str = "compute_90") -> bytes:
 
 
 # kernel entries: rows of a launch up to 8 / up to 16 a row tile, x columns a warp (8 NT)
-ENTRIES = tuple(f"q4_split{rows}_{cols // 8}".encode() for rows in (8, 16) for cols in (16, 32, 64))
-COLS = 16  # columns a warp by default: more warps in flight at 1-16 rows (GPU_NOTES v14)
+ENTRIES = tuple(f"q4_split{rows}_{cols // 8}_d{d}".encode()
+                for rows in (8, 16) for cols in (8, 16, 32) for d in (0, 2, 4, 8)
+                if cols * d <= 128 and (d < 8 or rows == 8))
+PROBES = (b"q4_probe1", b"q4_probe2")  # bench only: 16 columns, <= 8 rows, streamed
+COLS = 16  # columns a warp by default: more warps in flight at 1-16 rows (GPU_NOTES v15)
+DEPTH = 8  # blocks a warp keeps in flight (register ring slots)
 _TICKETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Q4Linear → {cols: tickets}
 
 
@@ -300,7 +413,7 @@ def _functions(device: int) -> tuple[ctypes.CDLL, dict]:
     if cuda.cuModuleLoadData(ctypes.byref(mod), code):
         raise RuntimeError("cuda_q4: the driver could not load the module")
     fns = {}
-    for name in ENTRIES:
+    for name in ENTRIES + PROBES:
         fns[name] = ctypes.c_void_p()
         if cuda.cuModuleGetFunction(ctypes.byref(fns[name]), mod, name):
             raise RuntimeError(f"cuda_q4: no kernel {name.decode()}")
@@ -318,17 +431,32 @@ def _tickets(lin: Q4Linear, cols: int) -> torch.Tensor:
 
 
 def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
-           residual: torch.Tensor | None = None, cols: int = COLS, warps: int = 1) -> torch.Tensor:
+           residual: torch.Tensor | None = None, cols: int | None = None, warps: int = 1,
+           depth: int | None = None, probe: bytes | None = None) -> torch.Tensor:
     """out [n, N] = x @ W.T (+ residual), as kernels/triton_q4.py `linear` with LINEAR_TILE and
     parallel splits computes it; x [n, K] float32 contiguous rows, CUDA tensors; N a multiple
-    of `cols` (16, 32 or 64 columns a warp; `warps` warps a CTA), K of 64."""
+    of `cols` (8, 16 or 32 columns a warp; `warps` warps a CTA), K of 64; `depth` (2, 4 or 8)
+    blocks of weights and x in flight a warp, or 0: the warp's whole split streamed into shared
+    memory at once."""
     n, big_n, k = x.shape[0], lin.out_features, lin.in_features
+    cols, depth = cols or COLS, DEPTH if depth is None else depth
     for t in (x, out) + ((residual,) if residual is not None else ()):
         if not t.is_cuda or t.dtype != torch.float32 or t.stride(1) != 1 or t.stride(0) % 2:
             raise ValueError("cuda_q4: x, out and residual must be CUDA float32 with contiguous, "
                              "even-strided rows")
-    if cols not in (16, 32, 64) or big_n % cols or k % 64 or LINEAR_TILE.bk != 64:
-        raise ValueError("cuda_q4: cols 16, 32 or 64 dividing N; K a multiple of 64")
+    if cols not in (8, 16, 32) or big_n % cols or k % 64 or LINEAR_TILE.bk != 64 \
+            or depth not in (0, 2, 4, 8) or cols * depth > 128:
+        raise ValueError("cuda_q4: cols 8, 16 or 32 dividing N; K a multiple of 64; depth 0 "
+                         "(streamed), 2, 4 or 8, cols x depth ≤ 128")
+    blocks = -(-k // 64 // lin.split) * 2  # a split's blocks (whole k steps of 64)
+    smem = 0
+    if depth == 0:  # the split streamed into shared memory: whole groups of 4 blocks
+        smem = blocks * cols * 20 * warps
+        if blocks % 16 or smem > 48 * 1024:
+            raise ValueError(f"cuda_q4: a streamed split needs a multiple of 16 blocks and ≤ 48 KB "
+                             f"(here {blocks} blocks, {smem} bytes)")
+    while depth and (blocks % depth or (depth == 8 and n > 8)):  # whole rounds; 16-row tiles ≤ 4
+        depth //= 2
     cuda, fns = _functions(x.device.index or 0)
     stream = ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream)
     sm = lin.sm.view(torch.int32)  # (scale, min) fp16 pairs as one word a column
@@ -345,7 +473,7 @@ def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
         argv = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p)
                                                for a in args])
         grid = (-(-(big_n // cols) // warps), lin.split, -(-(r1 - r0) // 16))
-        fn = fns[f"q4_split{16 if r1 - r0 > 8 else 8}_{cols // 8}".encode()]
-        if cuda.cuLaunchKernel(fn, *grid, warps * 32, 1, 1, 0, stream, argv, None):
+        fn = fns[probe or f"q4_split{16 if r1 - r0 > 8 else 8}_{cols // 8}_d{depth}".encode()]
+        if cuda.cuLaunchKernel(fn, *grid, warps * 32, 1, 1, smem, stream, argv, None):
             raise RuntimeError("cuda_q4: launch failed")
     return out

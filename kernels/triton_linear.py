@@ -30,6 +30,11 @@ from kernels.q4_layout import Q4Linear, Q4Tile
 from kernels.triton_pdl import pdl_wait
 
 FMT_F32, FMT_Q4, FMT_Q8 = 0, 1, 2
+# q4 calls of up to this many rows on the CUDA C++ split programs (kernels/cuda_q4.py, the
+# decode tile's bits), for weights of SWAP_MAX_N to CUDA_MAX_N outputs: an experiment
+# (bench/ab_modes.py `cudaN`), off by default
+CUDA_MAX_ROWS: int | None = None
+CUDA_MAX_N = 16384
 FMT_CODES = {"f32": FMT_F32, "q4": FMT_Q4, "q8": FMT_Q8}
 
 
@@ -213,6 +218,10 @@ def linear(lin: Linear, x: torch.Tensor, out: torch.Tensor | None = None,
             raise TypeError("q4 weights must be in GPU storage (kernels.triton_linear.to_gpu_format)")
         if tile is None and (dense := triton_f16.plan(lin, n, x)):  # dequantized once, fp16
             return triton_f16.linear(lin, x, out, residual, dense)
+        if (tile is None and CUDA_MAX_ROWS and n <= CUDA_MAX_ROWS and x.is_cuda
+                and q4_layout.SWAP_MAX_N <= lin.out_features <= CUDA_MAX_N):
+            from kernels import cuda_q4
+            return cuda_q4.linear(lin, x, out, residual)
         return triton_q4.linear(lin, x, out, residual, tile)
     tile = tile or LINEAR_TILE
     w, s, sw, ss = weight_args(lin)
