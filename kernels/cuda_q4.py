@@ -12,12 +12,19 @@ with the same arithmetic, to be measured against it:
   program of a tile (a ticket) sums them in split order 0..S-1, then adds the residual.
 
 So it should give the decode tile's bits (tests/kernels/test_cuda_q4.py checks that on a GPU).
-What differs is the schedule: a warp takes 16 columns of a split by default (Triton's tile:
-64), so at 1-16 rows four times the warps keep loads in flight (which columns share a warp
-changes no bit), and its weights go straight from global memory into B fragments (a column's
-block is 16 contiguous bytes; a lane needs bytes 2c, 2c+1, 2c+8, 2c+9 of it, c = lane % 4,
-for both of the block's k16 chunks), each block loaded one block ahead of its MMAs. Its own
-ticket counters (one a row tile and column tile) sit beside the weight, not in it.
+What differs is the schedule: a warp takes 8, 16 or 32 columns of a split (Triton's tile: 64),
+so at 1-16 rows more warps run (which columns share a warp changes no bit), and its weights go
+from global memory straight into B fragments (a column's block is 16 contiguous bytes; a lane
+needs bytes 2c, 2c+1, 2c+8, 2c+9 of it, c = lane % 4, for both of the block's k16 chunks),
+either through a ring of `depth` register slots (loads of weights and x that many blocks ahead
+of the MMAs) or, depth 0, with the warp's whole split streamed into shared memory by cp.async
+first. Its own ticket counters (one a row tile and column tile) sit beside the weight.
+
+Measured on the H100 (GPU_NOTES v15): the same bits everywhere, but no faster than the Triton
+tile at 1-8 rows of qkv and o (the chain of dependent MMAs and the split merge set the time,
+not the bytes in flight); 32 columns a warp beat it on the lm_head (82.5% against 77% of
+copy). So it stays an experiment: `triton_linear.CUDA_MAX_ROWS` routes rows to it (off), and
+PROBES time its parts (loads alone, no merge, two accumulator chains).
 
 Built at run time: NVRTC (found in the nvidia wheels beside torch, or pip's
 nvidia-cuda-nvrtc-cu12) compiles the source to PTX for the device's compute capability, and
@@ -209,6 +216,7 @@ __device__ __forceinline__ void stream_acc(float acc[NT][4], const unsigned char
     asm volatile("cp.async.commit_group;" ::: "memory");
   }
   float2 xp[4][ROWS16 ? 8 : 4];
+  float acc2[NT][4] = {};
   const float* xa = x0 + k_lo;
   const float* xb = x1 + k_lo;
 #pragma unroll
@@ -233,11 +241,18 @@ __device__ __forceinline__ void stream_acc(float acc[NT][4], const unsigned char
         }
         if constexpr (P == 1)  // probe: the loads alone
           acc[0][0] += __uint_as_float((w0[0] ^ w1[NT - 1] ^ s[0]) & 0x3FFFFFu);
+        else if (P == 3 && (j & 1))  // probe: odd blocks on a second accumulator chain
+          block_mma<ROWS16, NT>(acc2, xp[j], sel, w0, w1, s);
         else
           block_mma<ROWS16, NT>(acc, xp[j], sel, w0, w1, s);
         if (b + 4 < nb) load_x<ROWS16>(xa, xb, v0, v1, 32 * (b + 4), c, xp[j]);
       }
     }
+  }
+  if constexpr (P == 3) {
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+      for (int e = 0; e < 4; ++e) acc[i][e] += acc2[i][e];
   }
 }
 
@@ -272,7 +287,7 @@ __device__ __forceinline__ void q4_split(const float* __restrict__ x, const unsi
   else
     ring_acc<ROWS16, NT, D>(acc, qs, sm, x0, x1, v0, v1, N, k_lo, k_hi, n0, g, c, word, sel);
   // acc[i]: rows r0 (0, 1) and r1 (2, 3), columns n0 + 8i + 2c, + 1
-  if (S > 1 && P == 0) {
+  if (S > 1 && (P == 0 || P == 3)) {
     const long split_stride = (long)M * N;
 #pragma unroll
     for (int i = 0; i < NT; ++i) {
@@ -338,10 +353,11 @@ __device__ __forceinline__ void q4_split(const float* __restrict__ x, const unsi
 #define Q4_ROWS(ROWS) Q4_ENTRY(ROWS, 1, 2) Q4_ENTRY(ROWS, 1, 4) Q4_ENTRY(ROWS, 2, 2) \
     Q4_ENTRY(ROWS, 2, 4) Q4_ENTRY(ROWS, 4, 2) Q4_ENTRY(ROWS, 4, 4)
 Q4_ROWS(8) Q4_ROWS(16) Q4_ENTRY(8, 1, 8) Q4_ENTRY(8, 2, 8)  // (16 rows at depth 8 spill)
-// probes (bench only, wrong values): P 1 the streamed loads without the MMAs, P 2 without the
-// split merge (every split writes y)
+// probes (bench only, wrong values): P 1 the streamed loads alone (no MMAs, no merge), P 2 without the
+// split merge (every split writes y), P 3 two accumulator chains (even / odd blocks)
 extern "C" __global__ void q4_probe1(Q4_ARGS) { q4_split<false, 2, 0, 1>(Q4_PASS); }
 extern "C" __global__ void q4_probe2(Q4_ARGS) { q4_split<false, 2, 0, 2>(Q4_PASS); }
+extern "C" __global__ void q4_probe3(Q4_ARGS) { q4_split<false, 2, 0, 3>(Q4_PASS); }
 // depth 0: the split streamed whole into shared memory (stream_acc)
 Q4_ENTRY(8, 1, 0) Q4_ENTRY(8, 2, 0) Q4_ENTRY(8, 4, 0) Q4_ENTRY(16, 1, 0) Q4_ENTRY(16, 2, 0) Q4_ENTRY(16, 4, 0)
 """
@@ -396,9 +412,9 @@ def ptx(arch: str = "compute_90") -> bytes:
 ENTRIES = tuple(f"q4_split{rows}_{cols // 8}_d{d}".encode()
                 for rows in (8, 16) for cols in (8, 16, 32) for d in (0, 2, 4, 8)
                 if cols * d <= 128 and (d < 8 or rows == 8))
-PROBES = (b"q4_probe1", b"q4_probe2")  # bench only: 16 columns, <= 8 rows, streamed
-COLS = 16  # columns a warp by default: more warps in flight at 1-16 rows (GPU_NOTES v15)
-DEPTH = 8  # blocks a warp keeps in flight (register ring slots)
+PROBES = (b"q4_probe1", b"q4_probe2", b"q4_probe3")  # bench only: 16 columns, <= 8 rows, streamed
+COLS = 16  # columns a warp by default (the fastest at 1-8 rows of qkv, GPU_NOTES v15)
+DEPTH = 8  # blocks a warp keeps in flight (register ring slots; 0: the split streamed)
 _TICKETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Q4Linear → {cols: tickets}
 
 
