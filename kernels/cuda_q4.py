@@ -453,7 +453,7 @@ def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
     parallel splits computes it; x [n, K] float32 contiguous rows, CUDA tensors; N a multiple
     of `cols` (8, 16 or 32 columns a warp; `warps` warps a CTA), K of 64; `depth` (2, 4 or 8)
     blocks of weights and x in flight a warp, or 0: the warp's whole split streamed into shared
-    memory at once."""
+    memory at once. probe: a PROBES kernel to launch instead (bench only: wrong values)."""
     n, big_n, k = x.shape[0], lin.out_features, lin.in_features
     cols, depth = cols or COLS, DEPTH if depth is None else depth
     for t in (x, out) + ((residual,) if residual is not None else ()):

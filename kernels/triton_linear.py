@@ -30,12 +30,12 @@ from kernels.q4_layout import Q4Linear, Q4Tile
 from kernels.triton_pdl import pdl_wait
 
 FMT_F32, FMT_Q4, FMT_Q8 = 0, 1, 2
+FMT_CODES = {"f32": FMT_F32, "q4": FMT_Q4, "q8": FMT_Q8}
 # q4 calls of up to this many rows on the CUDA C++ split programs (kernels/cuda_q4.py, the
 # decode tile's bits), for weights of SWAP_MAX_N to CUDA_MAX_N outputs: an experiment
 # (bench/ab_modes.py `cudaN`), off by default
 CUDA_MAX_ROWS: int | None = None
 CUDA_MAX_N = 16384
-FMT_CODES = {"f32": FMT_F32, "q4": FMT_Q4, "q8": FMT_Q8}
 
 
 @dataclass(frozen=True)
