@@ -23,10 +23,13 @@ def apply(mode: str) -> None:
     if re.search(r'cudan[0-9]+', mode):  # ... for weights of up to N outputs
         from kernels import triton_linear
         triton_linear.CUDA_MAX_N = int(re.search(r'cudan([0-9]+)', mode).group(1))
-    if re.search(r'cudacols[0-9]+d[0-9]+', mode):  # ... its columns a warp and ring depth
+    if re.search(r'cudacols[0-9]+', mode):  # ... its columns a warp
         from kernels import cuda_q4
-        c, d = re.search(r'cudacols([0-9]+)d([0-9]+)', mode).groups()
-        cuda_q4.COLS, cuda_q4.DEPTH = int(c), int(d)
+        cuda_q4.COLS = int(re.search(r'cudacols([0-9]+)', mode).group(1))
+    if re.search(r'cudad[0-9]+', mode) or 'cudastream' in mode or 'cudaslice' in mode:
+        from kernels import cuda_q4  # ... its form: a ring of N blocks, streamed, a CTA a slice
+        cuda_q4.DEPTH = (int(re.search(r'cudad([0-9]+)', mode).group(1)) if 'cudad' in mode
+                         else cuda_q4.STREAM if 'cudastream' in mode else cuda_q4.SLICE)
     if 'novarlen' in mode:  # prefill attention: a FlashAttention call per piece per stream (v10)
         from kernels import prefill
         prefill.VARLEN = False

@@ -21,7 +21,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,64", help="rows of x for the q4 linears")
     ap.add_argument("--ts", default="1,64", help="tokens for the experts ('none': no experts)")
-    ap.add_argument("--cuda", default="", help="kernels/cuda_q4.py variants too, COLSxDEPTH,...")
+    ap.add_argument("--cuda", default="", help="kernels/cuda_q4.py variants too, COLSxDEPTH,... (DEPTH: 2-8, stream, slice)")
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",") if v]
     g = torch.Generator("cuda").manual_seed(0)
@@ -30,7 +30,9 @@ def main() -> None:
     stacked = StackedExperts.stack(tuple((rand_q4(1536, 2048, g), rand_q4(2048, 768, g))
                                          for _ in range(128)))
     routed = {int(t): routed_tokens(int(t), router, g) for t in args.ts.split(",") if t.isdigit()}
-    variants = [tuple(int(v) for v in c.split("x")) for c in args.cuda.split(",") if c]
+    forms = {"stream": cuda_q4.STREAM, "slice": cuda_q4.SLICE}
+    variants = [(int(c.split("x")[0]), forms.get(c.split("x")[1]) if c.split("x")[1] in forms
+                 else int(c.split("x")[1])) for c in args.cuda.split(",") if c]
     for _ in range(2):  # warm, then the pass to read
         for m in ms:
             for lin in lins:

@@ -39,7 +39,8 @@ def _row(kernel, shape, m, mode, ms, nbytes, flops, copy_gbs, same) -> dict:
 
 
 # (columns a warp, blocks in flight) of the CUDA split programs timed with --cuda
-CUDA_VARIANTS = ((16, 8), (32, 4), (8, 0), (16, 0), (32, 0))
+CUDA_VARIANTS = ((16, 8), (32, 4), (16, cuda_q4.STREAM), (8, cuda_q4.SLICE), (16, cuda_q4.SLICE),
+                 (32, cuda_q4.SLICE))
 
 
 def _roomy(lin: q4_layout.Q4Linear) -> q4_layout.Q4Linear:
@@ -80,10 +81,11 @@ def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles, weights=("qkv", "
             modes += [(f"dense {t.name}{f' flat{u}' if u else ''}", dict(tile=t, flat=u, f16=1))
                       for t in dense_tiles for u in (0, 1, 2) if m >= dense_from]  # u k steps a loop
             if cuda:  # the split programs in CUDA C++ (kernels/cuda_q4.py, an experiment)
-                modes += [(f"cuda split {c}c {f'd{d}' if d else 'stream'}", dict(cu=1, cols=c, depth=d))
+                form = {cuda_q4.STREAM: "stream", cuda_q4.SLICE: "slice"}
+                modes += [(f"cuda split {c}c {form.get(d, f'd{d}')}", dict(cu=1, cols=c, depth=d))
                           for c, d in CUDA_VARIANTS if n % c == 0]
                 if m <= 8:  # what its loads alone / without the split merge take (wrong values)
-                    modes += [(f"cuda probe {p.decode()}", dict(cu=1, cols=16, depth=0, probe=p))
+                    modes += [(f"cuda probe {p.decode()}", dict(cu=1, cols=16, depth=cuda_q4.STREAM, probe=p))
                               for p in cuda_q4.PROBES]
             plan_tile, plan_seq = triton_q4.plan(lin, m)  # what the engine runs: 32s = 32 rows, seq
             dense = triton_f16.plan(lin, m, x)

@@ -17,14 +17,18 @@ so at 1-16 rows more warps run (which columns share a warp changes no bit), and 
 from global memory straight into B fragments (a column's block is 16 contiguous bytes; a lane
 needs bytes 2c, 2c+1, 2c+8, 2c+9 of it, c = lane % 4, for both of the block's k16 chunks),
 either through a ring of `depth` register slots (loads of weights and x that many blocks ahead
-of the MMAs) or, depth 0, with the warp's whole split streamed into shared memory by cp.async
-first. Its own ticket counters (one a row tile and column tile) sit beside the weight.
+of the MMAs) or (STREAM) with the warp's whole split streamed into shared memory by cp.async
+first. Its own ticket counters (one a row tile and column tile) sit beside the weight. A third
+form (SLICE, `q4_slice`) gives a CTA one column slice and all its splits: its warps dequantize
+the slice's blocks into shared memory together, one warp a split runs that split's MMA chain in
+the usual order, and the partials are summed in split order in shared memory (no ticket).
 
 Measured on the H100 (GPU_NOTES v15): the same bits everywhere, but no faster than the Triton
 tile at 1-8 rows of qkv and o (the chain of dependent MMAs and the split merge set the time,
 not the bytes in flight); 32 columns a warp beat it on the lm_head (82.5% against 77% of
 copy). So it stays an experiment: `triton_linear.CUDA_MAX_ROWS` routes rows to it (off), and
-PROBES time its parts (loads alone, no merge, two accumulator chains).
+PROBES time its parts (loads alone, no merge, two accumulator chains). The SLICE form was
+written after the device time of its session: its bits and speed are unmeasured.
 
 Built at run time: NVRTC (found in the nvidia wheels beside torch, or pip's
 nvidia-cuda-nvrtc-cu12) compiles the source to PTX for the device's compute capability, and
@@ -256,6 +260,143 @@ __device__ __forceinline__ void stream_acc(float acc[NT][4], const unsigned char
   }
 }
 
+// One CTA a column slice (8 NT columns, rows m0..m0+15), every K split of it inside: the slice's
+// raw bytes stream into shared memory by cp.async in 4 rounds (a round: R = nbs / 4 blocks of
+// each split, one commit group); in each round all W warps dequantize the round's blocks into
+// B fragments and round x into A fragments (shared memory), then warp s < S runs split s's MMA
+// chain over them — the split's blocks in ascending order, as the decode tile — and at the end
+// warp 0 sums the S partials in split order 0..S-1 (the ticket merge's order) in shared memory.
+// So the dequant work of a chain is spread over the CTA's warps while each chain keeps its
+// order, and no partial goes through global memory. W >= S; nbs (blocks a split) % 4 == 0.
+template <bool ROWS16, int NT>
+__device__ __forceinline__ void q4_slice(const float* __restrict__ x, const unsigned char* __restrict__ qs,
+                                         const unsigned* __restrict__ sm, const float* __restrict__ res,
+                                         float* __restrict__ y, int M, int N, int K, int stride_x,
+                                         int stride_res, int stride_y, int S, int has_res) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  constexpr int QB = NT * 8 * 16, SB = NT * 8 * 4, CH = (QB + SB) / 16, XW = ROWS16 ? 2 : 1;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, W = blockDim.x >> 5;
+  const int c = lane & 3, g = lane >> 2;
+  const int n0 = blockIdx.x * 8 * NT, m0 = blockIdx.z * 16;
+  const int NB = K >> 5, nbs = NB / S, R = nbs >> 2;
+  unsigned char* sq = smem;                                        // [NB][QB] raw nibbles
+  unsigned char* ss = sq + NB * QB;                                // [NB][SB] (scale, min)
+  uint4* frag = reinterpret_cast<uint4*>(ss + NB * SB);            // [S][R][NT][32] B fragments
+  uint4* xf = frag + S * R * NT * 32;                              // [S][R][XW][32] A fragments
+  float4* part = reinterpret_cast<float4*>(xf + S * R * XW * 32);  // [S][NT][32] partials
+  const unsigned char* gq = qs + (long)n0 * 16;
+  const unsigned char* gs = reinterpret_cast<const unsigned char*>(sm + n0);
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {  // round r's blocks of every split: one commit group
+    for (int i = threadIdx.x; i < S * R * CH; i += blockDim.x) {
+      const int sj = i / CH, ch = i % CH;
+      const int b = (sj / R) * nbs + r * R + sj % R;
+      if (ch < QB / 16)
+        cp_async16(sq + b * QB + ch * 16, gq + (long)b * N * 16 + ch * 16);
+      else
+        cp_async16(ss + b * SB + (ch - QB / 16) * 16, gs + (long)b * N * 4 + (ch - QB / 16) * 16);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  }
+  const int r0 = m0 + g, r1 = m0 + g + 8;
+  const bool v0 = r0 < M, v1 = r1 < M;
+  const float* x0 = x + (long)(v0 ? r0 : 0) * stride_x;
+  const float* x1 = x + (long)(v1 ? r1 : 0) * stride_x;
+  const unsigned sel = (c & 1) ? 0x7362u : 0x5140u;
+  const int word = (c >> 1) * 4;
+  float acc[NT][4];
+#pragma unroll
+  for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    // x of this warp's A-fragment items (item sj = warp + q W, q < 4: S R <= 4 W, the host
+    // sees to it), loaded before the wait so that their latency overlaps the weights'
+    float2 px[4][ROWS16 ? 8 : 4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int sj = warp + q * W;
+      if (sj < S * R) load_x<ROWS16>(x0, x1, v0, v1, ((sj / R) * nbs + r * R + sj % R) << 5, c, px[q]);
+    }
+    if (r == 0) asm volatile("cp.async.wait_group 3;" ::: "memory");
+    if (r == 1) asm volatile("cp.async.wait_group 2;" ::: "memory");
+    if (r == 2) asm volatile("cp.async.wait_group 1;" ::: "memory");
+    if (r == 3) asm volatile("cp.async.wait_group 0;" ::: "memory");
+    __syncthreads();  // every thread's copies of round r have landed
+    // produce: the round's S R NT B fragments, a warp an item, then this warp's A fragments
+    for (int it = warp; it < S * R * NT; it += W) {
+      const int sj = it / NT, i = it % NT;
+      const int b = (sj / R) * nbs + r * R + sj % R;
+      const unsigned w0 = *reinterpret_cast<const unsigned*>(sq + b * QB + (g + 8 * i) * 16 + word);
+      const unsigned w1 = *reinterpret_cast<const unsigned*>(sq + b * QB + (g + 8 * i) * 16 + word + 8);
+      const unsigned sc = *reinterpret_cast<const unsigned*>(ss + b * SB + (g + 8 * i) * 4);
+      unsigned lo[2], hi[2];
+      dequant(w0, w1, sel, sc, lo, hi);
+      frag[(sj * NT + i) * 32 + lane] = make_uint4(lo[0], lo[1], hi[0], hi[1]);
+    }
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int sj = warp + q * W;
+      if (sj < S * R) {
+        unsigned a_lo[4], a_hi[4];
+        x_frag<ROWS16>(px[q], 0, a_lo);
+        x_frag<ROWS16>(px[q], 1, a_hi);
+        xf[(sj * XW) * 32 + lane] = make_uint4(a_lo[0], a_lo[2], a_hi[0], a_hi[2]);
+        if (ROWS16) xf[(sj * XW + 1) * 32 + lane] = make_uint4(a_lo[1], a_lo[3], a_hi[1], a_hi[3]);
+      }
+    }
+    __syncthreads();
+    if (warp < S) {  // consume: split `warp`'s chain over its R blocks of this round
+      for (int j = 0; j < R; ++j) {
+        const int sj = warp * R + j;
+        const uint4 xa = xf[(sj * XW) * 32 + lane];
+        uint4 xb = make_uint4(0u, 0u, 0u, 0u);
+        if (ROWS16) xb = xf[(sj * XW + 1) * 32 + lane];
+        const unsigned a_lo[4] = {xa.x, xb.x, xa.y, xb.y}, a_hi[4] = {xa.z, xb.z, xa.w, xb.w};
+#pragma unroll
+        for (int i = 0; i < NT; ++i) {
+          const uint4 f = frag[(sj * NT + i) * 32 + lane];
+          const unsigned lo[2] = {f.x, f.y}, hi[2] = {f.z, f.w};
+          mma(acc[i], a_lo, lo);
+          mma(acc[i], a_hi, hi);
+        }
+      }
+    }
+    __syncthreads();  // the next round overwrites frag and xf
+  }
+  if (warp < S) {
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+      part[(warp * NT + i) * 32 + lane] = make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+  }
+  __syncthreads();
+  if (warp != 0) return;
+#pragma unroll
+  for (int i = 0; i < NT; ++i) {  // split order 0..S-1: the ticket merge's order
+    float4 t = part[i * 32 + lane];
+    for (int q = 1; q < S; ++q) {
+      const float4 p = part[(q * NT + i) * 32 + lane];
+      t = make_float4(t.x + p.x, t.y + p.y, t.z + p.z, t.w + p.w);
+    }
+    const int cc = n0 + 8 * i + 2 * c;
+    if (v0) {
+      float2 o = make_float2(t.x, t.y);
+      if (has_res) {
+        const float2 rr = *reinterpret_cast<const float2*>(res + (long)r0 * stride_res + cc);
+        o = make_float2(rr.x + o.x, rr.y + o.y);
+      }
+      *reinterpret_cast<float2*>(y + (long)r0 * stride_y + cc) = o;
+    }
+    if (v1) {
+      float2 o = make_float2(t.z, t.w);
+      if (has_res) {
+        const float2 rr = *reinterpret_cast<const float2*>(res + (long)r1 * stride_res + cc);
+        o = make_float2(rr.x + o.x, rr.y + o.y);
+      }
+      *reinterpret_cast<float2*>(y + (long)r1 * stride_y + cc) = o;
+    }
+  }
+}
+
 // grid (cdiv(N / (8 NT), warps), S, cdiv(M, 16)); block warps * 32. Warp w: the 8 NT columns
 // from n0 = (blockIdx.x * warps + w) * 8 NT, rows m0 = blockIdx.z * 16 .. + 16, K split
 // blockIdx.y; tickets: one a (row tile, column tile). N % (8 NT) == 0, K % 64 == 0 (the host
@@ -358,6 +499,10 @@ Q4_ROWS(8) Q4_ROWS(16) Q4_ENTRY(8, 1, 8) Q4_ENTRY(8, 2, 8)  // (16 rows at depth
 extern "C" __global__ void q4_probe1(Q4_ARGS) { q4_split<false, 2, 0, 1>(Q4_PASS); }
 extern "C" __global__ void q4_probe2(Q4_ARGS) { q4_split<false, 2, 0, 2>(Q4_PASS); }
 extern "C" __global__ void q4_probe3(Q4_ARGS) { q4_split<false, 2, 0, 3>(Q4_PASS); }
+// a CTA a column slice, every split inside (q4_slice): entries q4_slice{ROWS}_{NT}
+#define Q4_SLICE(ROWS, NT) extern "C" __global__ void q4_slice##ROWS##_##NT(Q4_ARGS) { \
+    q4_slice<ROWS == 16, NT>(x, qs, sm, res, y, M, N, K, stride_x, stride_res, stride_y, S, has_res); }
+Q4_SLICE(8, 1) Q4_SLICE(8, 2) Q4_SLICE(8, 4) Q4_SLICE(16, 1) Q4_SLICE(16, 2) Q4_SLICE(16, 4)
 // depth 0: the split streamed whole into shared memory (stream_acc)
 Q4_ENTRY(8, 1, 0) Q4_ENTRY(8, 2, 0) Q4_ENTRY(8, 4, 0) Q4_ENTRY(16, 1, 0) Q4_ENTRY(16, 2, 0) Q4_ENTRY(16, 4, 0)
 """
@@ -412,9 +557,12 @@ def ptx(arch: str = "compute_90") -> bytes:
 ENTRIES = tuple(f"q4_split{rows}_{cols // 8}_d{d}".encode()
                 for rows in (8, 16) for cols in (8, 16, 32) for d in (0, 2, 4, 8)
                 if cols * d <= 128 and (d < 8 or rows == 8))
+ENTRIES += tuple(f"q4_slice{rows}_{cols // 8}".encode() for rows in (8, 16) for cols in (8, 16, 32))
+STREAM, SLICE = 0, -1  # depths that name the other forms: the split streamed; a CTA a column slice
 PROBES = (b"q4_probe1", b"q4_probe2", b"q4_probe3")  # bench only: 16 columns, <= 8 rows, streamed
 COLS = 16  # columns a warp by default (the fastest at 1-8 rows of qkv, GPU_NOTES v15)
-DEPTH = 8  # blocks a warp keeps in flight (register ring slots; 0: the split streamed)
+DEPTH = 8  # blocks a warp keeps in flight (register ring slots), or STREAM / SLICE
+_BIG_SMEM: set = set()  # kernels given more than 48 KB of dynamic shared memory
 _TICKETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Q4Linear → {cols: tickets}
 
 
@@ -452,8 +600,9 @@ def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
     """out [n, N] = x @ W.T (+ residual), as kernels/triton_q4.py `linear` with LINEAR_TILE and
     parallel splits computes it; x [n, K] float32 contiguous rows, CUDA tensors; N a multiple
     of `cols` (8, 16 or 32 columns a warp; `warps` warps a CTA), K of 64; `depth` (2, 4 or 8)
-    blocks of weights and x in flight a warp, or 0: the warp's whole split streamed into shared
-    memory at once. probe: a PROBES kernel to launch instead (bench only: wrong values)."""
+    blocks of weights and x in flight a warp, STREAM: the warp's whole split streamed into
+    shared memory at once, or SLICE: a CTA a column slice, every split inside (q4_slice).
+    probe: a PROBES kernel to launch instead (bench only: wrong values)."""
     n, big_n, k = x.shape[0], lin.out_features, lin.in_features
     cols, depth = cols or COLS, DEPTH if depth is None else depth
     for t in (x, out) + ((residual,) if residual is not None else ()):
@@ -461,12 +610,14 @@ def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
             raise ValueError("cuda_q4: x, out and residual must be CUDA float32 with contiguous, "
                              "even-strided rows")
     if cols not in (8, 16, 32) or big_n % cols or k % 64 or LINEAR_TILE.bk != 64 \
-            or depth not in (0, 2, 4, 8) or cols * depth > 128:
-        raise ValueError("cuda_q4: cols 8, 16 or 32 dividing N; K a multiple of 64; depth 0 "
-                         "(streamed), 2, 4 or 8, cols x depth ≤ 128")
+            or depth not in (SLICE, STREAM, 2, 4, 8) or cols * depth > 128:
+        raise ValueError("cuda_q4: cols 8, 16 or 32 dividing N; K a multiple of 64; depth 2, 4 "
+                         "or 8 (cols x depth ≤ 128), STREAM or SLICE")
+    if depth == SLICE:
+        return _slice_linear(lin, x, out, residual, cols, warps)
     blocks = -(-k // 64 // lin.split) * 2  # a split's blocks (whole k steps of 64)
     smem = 0
-    if depth == 0:  # the split streamed into shared memory: whole groups of 4 blocks
+    if depth == STREAM:  # the split streamed into shared memory: whole groups of 4 blocks
         smem = blocks * cols * 20 * warps
         if blocks % 16 or smem > 48 * 1024:
             raise ValueError(f"cuda_q4: a streamed split needs a multiple of 16 blocks and ≤ 48 KB "
@@ -491,5 +642,45 @@ def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
         grid = (-(-(big_n // cols) // warps), lin.split, -(-(r1 - r0) // 16))
         fn = fns[probe or f"q4_split{16 if r1 - r0 > 8 else 8}_{cols // 8}_d{depth}".encode()]
         if cuda.cuLaunchKernel(fn, *grid, warps * 32, 1, 1, smem, stream, argv, None):
+            raise RuntimeError("cuda_q4: launch failed")
+    return out
+
+
+def _slice_linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
+                  residual: torch.Tensor | None, cols: int, warps: int) -> torch.Tensor:
+    """`linear` in the q4_slice form: a CTA a column slice of `cols` columns and 16 rows, every
+    K split inside, merged in shared memory; max(S, warps or 4, S R / 4) warps (a split's
+    chain each, and at most 4 A-fragment items each a round)."""
+    n, big_n, k = x.shape[0], lin.out_features, lin.in_features
+    s = lin.split
+    nbs = k // 32 // s  # blocks a split
+    if (k // 64) % s or nbs % 4:
+        raise ValueError(f"cuda_q4: the slice form needs whole splits of 4k blocks ({nbs} a split)")
+    w = max(s, warps if warps > 1 else 4, -(-s * (nbs // 4) // 4))
+    if w > 32:
+        raise ValueError(f"cuda_q4: the slice form would need {w} warps a CTA")
+    cuda, fns = _functions(x.device.index or 0)
+    stream = ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream)
+    sm = lin.sm.view(torch.int32)
+    for r0 in range(0, n, q4_layout.SPLIT_ROWS):
+        r1 = min(n, r0 + q4_layout.SPLIT_ROWS)
+        xs, ys = x[r0:r1], out[r0:r1]
+        res = residual[r0:r1] if residual is not None else ys
+        xw = 2 if r1 - r0 > 8 else 1
+        nt, rnd = cols // 8, nbs // 4
+        smem = k // 32 * cols * 20 + s * rnd * nt * 512 + s * rnd * xw * 512 + s * nt * 512
+        name = f"q4_slice{8 * xw}_{nt}".encode()
+        fn = fns[name]
+        if smem > 48 * 1024 and (fn.value, smem) not in _BIG_SMEM:
+            if smem > 227 * 1024 or cuda.cuFuncSetAttribute(fn, 8, smem):  # MAX_DYNAMIC_SHARED_SIZE_BYTES
+                raise ValueError(f"cuda_q4: the slice form needs {smem} bytes of shared memory")
+            _BIG_SMEM.add((fn.value, smem))
+        args = [ctypes.c_void_p(t.data_ptr()) for t in (xs, lin.qs, sm, res, ys, ys, ys)]
+        args += [ctypes.c_int(v) for v in (r1 - r0, big_n, k, xs.stride(0), res.stride(0),
+                                            ys.stride(0), s, int(residual is not None))]
+        argv = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p)
+                                               for a in args])
+        grid = (big_n // cols, 1, -(-(r1 - r0) // 16))
+        if cuda.cuLaunchKernel(fn, *grid, w * 32, 1, 1, smem, stream, argv, None):
             raise RuntimeError("cuda_q4: launch failed")
     return out

@@ -47,7 +47,9 @@ def test_the_cuda_q4_linear_refuses_what_its_kernel_cannot_take():
 
 
 @pytest.mark.parametrize("mode,want", [("pdl", "None 16384 16 8"),
-                                       ("pdl_cuda8_cudacols32d0_cudan200000", "8 200000 32 0")])
+                                       ("pdl_cuda8_cudacols32_cudastream_cudan200000", "8 200000 32 0"),
+                                       ("pdl_cuda8_cudaslice", "8 16384 16 -1"),
+                                       ("pdl_cuda8_cudacols8_cudad4", "8 16384 8 4")])
 def test_the_ab_modes_route_rows_to_the_cuda_kernel(mode, want):
     # in a process of its own: the knobs are module globals, and bench.ab_modes imports Triton
     code = ("from bench.ab_modes import apply\n"
@@ -72,9 +74,12 @@ def test_the_cuda_q4_kernel_gives_the_decode_tile_bits(n, k):
         res = torch.randn(m, n, generator=g, device="cuda")
         want = triton_q4.linear(lin, x, torch.full((m, n), float("nan"), device="cuda"), res,
                                 tile=q4_layout.LINEAR_TILE, seq=False)
+        stream, slice_ = cuda_q4.STREAM, cuda_q4.SLICE
         for cols, warps, depth in ((8, 1, 8), (16, 1, 4), (16, 1, 8), (32, 1, 4), (32, 4, 4),
-                                   (16, 1, 0), (32, 1, 0), (16, 2, 0)):
-            if n % cols or (depth == 0 and (k // 32 // lin.split) % 16):
+                                   (16, 1, stream), (32, 1, stream), (16, 2, stream),
+                                   (8, 1, slice_), (16, 1, slice_), (32, 1, slice_), (16, 8, slice_)):
+            blocks = k // 32 // lin.split
+            if n % cols or (depth == stream and blocks % 16) or (depth == slice_ and blocks % 4):
                 continue
             got = cuda_q4.linear(lin, x, torch.full((m, n), float("nan"), device="cuda"), res,
                                  cols=cols, warps=warps, depth=depth)
@@ -96,7 +101,7 @@ def test_the_linear_routed_to_the_cuda_kernel_keeps_its_bits(monkeypatch):
     x = torch.randn(8, 4096, generator=g, device="cuda")
     res = torch.randn(8, 2048, generator=g, device="cuda")
     want = triton_linear.linear(lin, x, residual=res)
-    for depth in (8, 0):
+    for depth in (8, cuda_q4.STREAM, cuda_q4.SLICE):
         monkeypatch.setattr(triton_linear, "CUDA_MAX_ROWS", 8)
         monkeypatch.setattr(cuda_q4, "DEPTH", depth)
         for m in (1, 3, 8):
