@@ -42,6 +42,10 @@ def apply(mode: str) -> None:
         triton_moe.DOWN_MAXNREG = int(re.search(r'downnreg([0-9]+)', mode).group(1)) or None
     if re.search(r'mp[0-9]+', mode):  # q4 weights split for this many programs at M = 1
         q4_layout.MAX_PROGRAMS = int(re.search(r'mp([0-9]+)', mode).group(1))
+    if re.search(r'attnsplit[0-9]+', mode):  # keys per split of the paged attention (512; other bits)
+        from kernels import triton_attention
+        from replica import memory  # (its estimate of the graphs' attention partials)
+        triton_attention.SPLIT = memory.ATTN_SPLIT = int(re.search(r'attnsplit([0-9]+)', mode).group(1))
     if re.search(r'attn[0-9]+_[0-9]+', mode):  # paged attention split-kernel launch: warps_stages
         from kernels import triton_attention
         w, st = re.search(r'attn([0-9]+)_([0-9]+)', mode).groups()

@@ -150,11 +150,13 @@ def _attn_merge_kernel(ctx_ptr, out_ptr, pacc_ptr, pml_ptr, max_splits,
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, tok_row: torch.Tensor, ctx_lens: torch.Tensor,
                     scale: float, out: torch.Tensor | None = None,
-                    split: int = SPLIT) -> torch.Tensor:
+                    split: int | None = None) -> torch.Tensor:
     """q [T, H, D] f32; caches [num_blocks, block_size, KVH, D] f32 or bf16; block_tables
     [S, MB] int32; tok_row/ctx_lens [T] int32 → out [T, H, D] f32 (allocated when not given):
     token t attends to the first ctx_lens[t] keys of stream tok_row[t]. No host sync: the
-    grid's split count comes from the table width (MB * block_size keys at most)."""
+    grid's split count comes from the table width (MB * block_size keys at most). split: keys
+    per split (default SPLIT, read at the call)."""
+    split = split or SPLIT
     if q.dtype == torch.float32 and not q.is_contiguous():
         q = q.contiguous()
     if out is None:

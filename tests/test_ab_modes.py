@@ -1,0 +1,35 @@
+"""bench/ab_modes.py: the mode strings of side-by-side device runs set the knobs they name
+(each case in a process of its own: the knobs are module globals, and the modes import Triton)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def _knobs(mode: str, expr: str) -> list[str]:
+    code = (f"from bench.ab_modes import apply\napply({mode!r})\n"
+            "from kernels import cuda_q4, triton_attention, triton_linear\n"
+            "from replica import memory\n"
+            f"print({expr})")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.split()
+
+
+@pytest.mark.parametrize("mode,want", [("pdl", "None 16384 16 8"),
+                                       ("pdl_cuda8_cudacols32_cudastream_cudan200000", "8 200000 32 0"),
+                                       ("pdl_cuda8_cudaslice", "8 16384 16 -1"),
+                                       ("pdl_cuda8_cudacols8_cudad4", "8 16384 8 4")])
+def test_the_cuda_modes_route_rows_to_the_cuda_kernel(mode, want):
+    assert _knobs(mode, "triton_linear.CUDA_MAX_ROWS, triton_linear.CUDA_MAX_N, cuda_q4.COLS, "
+                        "cuda_q4.DEPTH") == want.split()
+
+
+@pytest.mark.parametrize("mode,want", [("pdl", "512 512 8 3"),
+                                       ("pdl_attnsplit256_attn4_2", "256 256 4 2")])
+def test_the_attention_modes_set_the_kernel_and_the_memory_estimate(mode, want):
+    assert _knobs(mode, "triton_attention.SPLIT, memory.ATTN_SPLIT, triton_attention.WARPS, "
+                        "triton_attention.STAGES") == want.split()
