@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import threading
@@ -79,8 +80,34 @@ def deploy_config(config: dict) -> None:
     client.deploy_apps(schema)
 
 
+# ports free_port picks from: above Ray's worker ports (10002-19999), below the kernel's
+# ephemeral range (32768-60999 on Linux by default; read at the call where it can be)
+FREE_PORTS = (20000, 32767)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A TCP port free on 127.0.0.1 now, for a server about to bind it. Not one from bind(0):
+    that is an ephemeral port, and until the server binds it the kernel may hand it to any
+    bind(0) or outgoing connection — Ray starts dozens of both on the way (CI once failed with
+    Serve's "Failed to bind to address '127.0.0.1:45141'"). A random port outside the ephemeral
+    range and Ray's worker ports, checked free (SystemRandom: tests that seed `random` cannot
+    make two processes pick alike)."""
+    lo, hi = FREE_PORTS
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            hi = min(hi, int(f.read().split()[0]) - 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    pick = random.SystemRandom()
+    for _ in range(100 if lo <= hi else 0):
+        port = pick.randint(lo, hi)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # that range taken: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -199,3 +199,22 @@ def test_gather_reaches_every_replica_through_the_avoid_list_despite_a_failure()
     fake = FakeReplicas(["r2", "r1", "r3"])
     out = asyncio.run(gather(fake, 3))
     assert [r["replica"] for r in out] == ["r1", "r2", "r3"] and all(r["sessions"] == 1 for r in out)
+
+
+def test_free_port_is_outside_the_ephemeral_range_and_free():
+    # a port from bind(0) is ephemeral and can be handed to another socket before the server
+    # binds it (CI once: "Failed to bind to address"); free_port stays out of that range
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_lo = int(f.read().split()[0])
+    except OSError:
+        pytest.skip("no /proc/sys/net/ipv4/ip_local_port_range here")
+    if ephemeral_lo <= 20000:
+        pytest.skip("this kernel's ephemeral ports start below free_port's range")
+    import socket
+
+    for _ in range(20):
+        port = free_port()
+        assert 20000 <= port < min(32768, ephemeral_lo), port
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free: it binds
