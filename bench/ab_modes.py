@@ -36,6 +36,8 @@ def apply(mode: str) -> None:
     if re.search(r'minpos[0-9]+', mode):  # prompt positions below N on the paged kernel (256)
         from kernels import prefill
         prefill.MIN_POSITION = int(re.search(r'minpos([0-9]+)', mode).group(1))
+    if re.search(r'enreg[0-9]+', mode):  # the seq expert kernels' register cap (both)
+        triton_moe.SEQ_MAXNREG = triton_moe.DOWN_MAXNREG = int(re.search(r'enreg([0-9]+)', mode).group(1))
     if 'nomaxnreg' in mode:  # the seq expert kernels at the compiler's register count (v8)
         triton_moe.SEQ_MAXNREG = triton_moe.DOWN_MAXNREG = None
     if re.search(r'downnreg[0-9]+', mode):  # the down kernel's own cap (0: none)
@@ -58,6 +60,12 @@ def apply(mode: str) -> None:
         q4_layout.DENSE_MIN_ROWS = int(re.search(r'ldense([0-9]+)', mode).group(1))
     if re.search(r'dtile[0-9x]+w[0-9]+s[0-9]+', mode):  # the linear's dense tile below DENSE_WIDE_ROWS
         q4_layout.DENSE_TILE = q4_layout.Q4Tile.parse(re.search(r'dtile([0-9x]+w[0-9]+s[0-9]+)', mode).group(1))
+    if re.search(r'etile[0-9x]+w[0-9]+s[0-9]+', mode):  # the q4 experts' tile (stacked with it)
+        from kernels import moe_layout
+        tile = q4_layout.Q4Tile.parse(re.search(r'etile([0-9x]+w[0-9]+s[0-9]+)', mode).group(1))
+        moe_layout.Q4_EXPERT_TILE = tile
+        if tile.nb != triton_moe.DENSE_GATE_UP[0].nb:  # the dense prefill path counts in its BK
+            triton_moe.DENSE_MIN_TOKENS = None
     if 'nomid' in mode:  # grouped seq expert launches of 9-32 tokens on the one-warp tile (v11)
         triton_moe.MID_TILE = None
     if 'nooverlap' in mode:  # a step's events delivered after it, not while the next one runs

@@ -76,8 +76,9 @@ def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles, weights=("qkv", "
             # engine's dispatch, triton_linear.linear)
             modes = [("split", dict(tile=q4_layout.LINEAR_TILE, seq=False)),
                      ("seq", dict(tile=q4_layout.LINEAR_TILE, seq=True))]
-            modes += [(f"{t.name} split", dict(tile=t, seq=False)) for t in tiles]
-            modes += [(f"{t.name} seq", dict(tile=t, seq=True)) for t in tiles]
+            same_bk = [t for t in tiles if t.nb == q4_layout.LINEAR_TILE.nb]  # (the split's k steps)
+            modes += [(f"{t.name} split", dict(tile=t, seq=False)) for t in same_bk]
+            modes += [(f"{t.name} seq", dict(tile=t, seq=True)) for t in same_bk]
             modes += [(f"dense {t.name}{f' flat{u}' if u else ''}", dict(tile=t, flat=u, f16=1))
                       for t in dense_tiles for u in (0, 1, 2) if m >= dense_from]  # u k steps a loop
             if cuda:  # the split programs in CUDA C++ (kernels/cuda_q4.py, an experiment)
@@ -114,8 +115,14 @@ def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles, weights=("qkv", "
 def moe_modes(copy_gbs: float, ts, tiles, maxnregs, dense_tiles, profile=False) -> list[dict]:
     g = torch.Generator(DEV).manual_seed(1)
     router = triton_linear.to_gpu_format(rand_q4(128, 2048, g))
-    stacked = StackedExperts.stack(tuple((rand_q4(1536, 2048, g), rand_q4(2048, 768, g))
-                                         for _ in range(128)))
+    pairs = tuple((rand_q4(1536, 2048, g), rand_q4(2048, 768, g)) for _ in range(128))
+    stacked = StackedExperts.stack(pairs)
+    # a tile with another BK runs experts stacked with it (their split counts are counted in
+    # its k steps; for these shapes they come out the same, so the bits should too)
+    stacks = {stacked.tile.nb: stacked}
+    for tl_, _ in tiles:
+        if tl_.nb not in stacks:
+            stacks[tl_.nb] = StackedExperts.stack(pairs, replace(stacked.tile, nb=tl_.nb))
     rows = []
     for t in ts:
         x, ids, _ = routed_tokens(t, router, g)
@@ -151,7 +158,8 @@ def moe_modes(copy_gbs: float, ts, tiles, maxnregs, dense_tiles, profile=False) 
             default = {k: getattr(triton_moe, k) for k in knobs}
             for k, v in knobs.items():
                 setattr(triton_moe, k, v)
-            fn = lambda: triton_moe.experts_forward(x, ids, stacked, inter, y, tile, seq, **kw)  # noqa: E731
+            experts = stacks[tile.nb] if tile is not None else stacked
+            fn = lambda: triton_moe.experts_forward(x, ids, experts, inter, y, tile, seq, **kw)  # noqa: E731
             ms = timed(fn, label)
             if profile and (label.startswith("dense") or label == "plan"):
                 for name, (us, calls) in sorted(profile_calls(fn, 3).items(), key=lambda kv: -kv[1][0]):

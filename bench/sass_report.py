@@ -7,6 +7,7 @@ that stores to shared memory (STS) shows a tile where Triton did not load the ra
 straight into the MMA operand layout.
 
     python -m bench.sass_report 16x64x64w1s3 64x64x64w4s3t [--attention]
+    python -m bench.sass_report --experts 16x64x64w1s3r128,16x64x64w1s2r96   # occupancy
 """
 
 from __future__ import annotations
@@ -89,6 +90,44 @@ def compile_attention(arch: int = 90):
                     num_warps=ta.WARPS, num_stages=ta.STAGES, launch_pdl=True)
 
 
+def compile_expert(kind: str, tile: Q4Tile, maxnreg: int | None, arch: int = 90):
+    """The q4 expert kernel `kind` ("gate_up" or "down") of the 30B preset's experts as the
+    engine launches it from SEQ_MIN_TOKENS grouped tokens: one program runs all K splits (SEQ),
+    `tile`'s warps and stages, registers capped at maxnreg (None: the compiler's choice)."""
+    from kernels import moe_layout, triton_moe
+
+    hidden, inter = 2048, 768
+    n, k = (2 * inter, hidden) if kind == "gate_up" else (hidden, inter)
+    consts = dict(FMT=triton_moe.FMT_CODES["q4"], BM=tile.bm, BN=tile.bn, BK=tile.bk,
+                  S=q4_layout.split_count(n, k, tile, moe_layout.EXPERT_PROGRAMS), SEQ=True,
+                  DIRECT=False, ASM=True, PDL=True, FLAT=0)
+    if kind == "gate_up":
+        kern, consts = triton_moe._moe_gate_up_kernel, dict(consts, TOPK=8)
+        ptrs = {"x_ptr": "*fp16", "meta_ptr": "*i32", "arows_ptr": "*i32", "w_ptr": "*u8",
+                "s_ptr": "*fp16", "inter_ptr": "*fp16", "ws_ptr": "*fp32", "tickets_ptr": "*i32"}
+    else:
+        kern = triton_moe._moe_down_kernel
+        ptrs = {"inter_ptr": "*fp16", "meta_ptr": "*i32", "arows_ptr": "*i32", "w_ptr": "*u8",
+                "s_ptr": "*fp16", "y_ptr": "*fp32", "ws_ptr": "*fp32", "tickets_ptr": "*i32"}
+    # what the runtime specializes for these shapes: every pointer and every integer argument
+    # outside do_not_specialize (T, TK) is a multiple of 16 — K and I among them, without which
+    # Triton does not pipeline the K loop (no cp.async)
+    div16 = {name for name in kern.arg_names if name not in consts and name not in ("T", "TK")}
+    options = dict(num_warps=tile.warps, num_stages=tile.stages, launch_pdl=True)
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    return _compile(kern, consts, ptrs, {}, div16, arch, **options)
+
+
+def occupancy(cubin: bytes, shared: int, warps: int) -> tuple[int, int, int]:
+    """(registers, shared bytes, warps an SM) of a kernel on sm_90: 64 K registers, 228 KB of
+    shared memory (1 KB of it reserved a block), at most 32 blocks and 64 warps an SM."""
+    regs = registers(cubin)
+    by_regs = 65536 // (max(regs, 1) * 32 * warps)
+    by_smem = 233472 // (shared + 1024) if shared else 32
+    return regs, shared, min(by_regs, by_smem, 32, 64 // warps) * warps
+
+
 def _cuobjdump(cubin: bytes, flag: str) -> str:
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -133,7 +172,21 @@ def main() -> None:
     ap.add_argument("tiles", nargs="*", default=[q4_layout.LINEAR_TILE.name])
     ap.add_argument("--attention", action="store_true",
                     help="also the paged attention split kernel: instructions, cp.async, registers")
+    ap.add_argument("--experts", default="",
+                    help="expert kernels' registers, shared memory and warps an SM for these "
+                         "tiles, each optionally ending rN (a register cap), e.g. "
+                         "16x64x64w1s3r128,16x64x64w1s2r96")
     args = ap.parse_args()
+    for spec in [t for t in args.experts.split(",") if t]:
+        tile = Q4Tile.parse(spec.split("r")[0])
+        cap = int(spec.split("r")[1]) if "r" in spec else None
+        for kind in ("gate_up", "down"):
+            kern = compile_expert(kind, tile, cap)
+            cubin = kern.asm["cubin"]
+            regs, shared, warps = occupancy(cubin, kern.metadata.shared, tile.warps)
+            spills = sum(" STL" in ln for ln in sass(cubin).splitlines())  # local-memory stores
+            print(f"{kind:<8} {spec:<20} {regs:>4} registers {shared:>7} B shared  "
+                  f"{warps:>3} warps an SM  {spills} spill stores")
     if args.attention:
         cubin = compile_attention().asm["cubin"]
         lines = [ln for ln in sass(cubin).splitlines() if _ADDR.match(ln)]

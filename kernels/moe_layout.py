@@ -45,8 +45,9 @@ class StackedExperts:
     tile: Q4Tile | None = None  # q4: the tile the splits and tickets were counted for
 
     @classmethod
-    def stack(cls, experts: tuple[tuple[Linear, Linear], ...], tile: Q4Tile = Q4_EXPERT_TILE,
+    def stack(cls, experts: tuple[tuple[Linear, Linear], ...], tile: Q4Tile | None = None,
               programs: int = EXPERT_PROGRAMS) -> "StackedExperts":
+        tile = tile or Q4_EXPERT_TILE  # (read at the call: bench/ab_modes.py `etile...`)
         fmt = experts[0][0].fmt
         if any(x.fmt != fmt for pair in experts for x in pair):
             raise ValueError("experts must share one weight format")

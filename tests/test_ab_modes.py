@@ -11,7 +11,7 @@ import pytest
 
 def _knobs(mode: str, expr: str) -> list[str]:
     code = (f"from bench.ab_modes import apply\napply({mode!r})\n"
-            "from kernels import cuda_q4, triton_attention, triton_linear\n"
+            "from kernels import cuda_q4, moe_layout, triton_attention, triton_linear, triton_moe\n"
             "from replica import memory\n"
             f"print({expr})")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -33,3 +33,11 @@ def test_the_cuda_modes_route_rows_to_the_cuda_kernel(mode, want):
 def test_the_attention_modes_set_the_kernel_and_the_memory_estimate(mode, want):
     assert _knobs(mode, "triton_attention.SPLIT, memory.ATTN_SPLIT, triton_attention.WARPS, "
                         "triton_attention.STAGES") == want.split()
+
+
+@pytest.mark.parametrize("mode,want", [("pdl", "16x64x64w1s3 512 128 128"),
+                                       ("pdl_etile16x64x32w1s4", "16x64x32w1s4 None 128 128"),
+                                       ("pdl_etile16x64x64w1s2_enreg96", "16x64x64w1s2 512 96 96")])
+def test_the_expert_modes_set_the_stacking_tile_and_the_register_cap(mode, want):
+    assert _knobs(mode, "moe_layout.Q4_EXPERT_TILE.name, triton_moe.DENSE_MIN_TOKENS, "
+                        "triton_moe.SEQ_MAXNREG, triton_moe.DOWN_MAXNREG") == want.split()
