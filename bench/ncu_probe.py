@@ -21,7 +21,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,64", help="rows of x for the q4 linears")
     ap.add_argument("--ts", default="1,64", help="tokens for the experts ('none': no experts)")
-    ap.add_argument("--cuda", default="", help="kernels/cuda_q4.py variants too, COLSxDEPTH,... (DEPTH: 2-8, stream, slice)")
+    ap.add_argument("--cuda", default="",
+                    help="kernels/cuda_q4.py variants too: COLSxDEPTH,... (DEPTH 2-8, stream, slice)")
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",") if v]
     g = torch.Generator("cuda").manual_seed(0)
@@ -31,8 +32,10 @@ def main() -> None:
                                          for _ in range(128)))
     routed = {int(t): routed_tokens(int(t), router, g) for t in args.ts.split(",") if t.isdigit()}
     forms = {"stream": cuda_q4.STREAM, "slice": cuda_q4.SLICE}
-    variants = [(int(c.split("x")[0]), forms.get(c.split("x")[1]) if c.split("x")[1] in forms
-                 else int(c.split("x")[1])) for c in args.cuda.split(",") if c]
+    variants = []  # (cols, depth)
+    for spec in filter(None, args.cuda.split(",")):
+        cols, depth = spec.split("x")
+        variants.append((int(cols), forms[depth] if depth in forms else int(depth)))
     for _ in range(2):  # warm, then the pass to read
         for m in ms:
             for lin in lins:

@@ -620,12 +620,11 @@ def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
     if depth == STREAM:  # the split streamed into shared memory: whole groups of 4 blocks
         smem = blocks * cols * 20 * warps
         if blocks % 16 or smem > 48 * 1024:
-            raise ValueError(f"cuda_q4: a streamed split needs a multiple of 16 blocks and ≤ 48 KB "
-                             f"(here {blocks} blocks, {smem} bytes)")
+            raise ValueError(f"cuda_q4: a streamed split needs a multiple of 16 blocks and ≤ 48 "
+                             f"KB (here {blocks} blocks, {smem} bytes)")
     while depth and (blocks % depth or (depth == 8 and n > 8)):  # whole rounds; 16-row tiles ≤ 4
         depth //= 2
     cuda, fns = _functions(x.device.index or 0)
-    stream = ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream)
     sm = lin.sm.view(torch.int32)  # (scale, min) fp16 pairs as one word a column
     tickets = _tickets(lin, cols) if lin.split > 1 else sm
     for r0 in range(0, n, q4_layout.SPLIT_ROWS):
@@ -634,16 +633,30 @@ def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
         res = residual[r0:r1] if residual is not None else ys
         ws = (torch.empty(lin.split, r1 - r0, big_n, dtype=torch.float32, device=x.device)
               if lin.split > 1 else ys)
-        args = [ctypes.c_void_p(t.data_ptr()) for t in (xs, lin.qs, sm, res, ys, ws, tickets)]
-        args += [ctypes.c_int(v) for v in (r1 - r0, big_n, k, xs.stride(0), res.stride(0),
-                                            ys.stride(0), lin.split, int(residual is not None))]
-        argv = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p)
-                                               for a in args])
         grid = (-(-(big_n // cols) // warps), lin.split, -(-(r1 - r0) // 16))
         fn = fns[probe or f"q4_split{16 if r1 - r0 > 8 else 8}_{cols // 8}_d{depth}".encode()]
-        if cuda.cuLaunchKernel(fn, *grid, warps * 32, 1, 1, smem, stream, argv, None):
-            raise RuntimeError("cuda_q4: launch failed")
+        _launch(cuda, fn, grid, warps * 32, smem, (xs, lin.qs, sm, res, ys, ws, tickets),
+                (r1 - r0, big_n, k, xs.stride(0), res.stride(0), ys.stride(0), lin.split,
+                 int(residual is not None)))
     return out
+
+
+def _launch(cuda: ctypes.CDLL, fn: ctypes.c_void_p, grid: tuple[int, int, int], threads: int,
+            smem: int, tensors: tuple, ints: tuple) -> None:
+    """fn<<<grid, threads, smem>>> on torch's current stream with Q4_ARGS (the tensors'
+    addresses, then the ints); above 48 KB of dynamic shared memory the kernel is opted in
+    first (once a size)."""
+    if smem > 48 * 1024 and (fn.value, smem) not in _BIG_SMEM:
+        # (attribute 8: CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)
+        if smem > 227 * 1024 or cuda.cuFuncSetAttribute(fn, 8, smem):
+            raise ValueError(f"cuda_q4: {smem} bytes of shared memory: more than the device gives")
+        _BIG_SMEM.add((fn.value, smem))
+    args = [ctypes.c_void_p(t.data_ptr()) for t in tensors] + [ctypes.c_int(v) for v in ints]
+    argv = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p)
+                                           for a in args])
+    stream = ctypes.c_void_p(torch.cuda.current_stream(tensors[0].device).cuda_stream)
+    if cuda.cuLaunchKernel(fn, *grid, threads, 1, 1, smem, stream, argv, None):
+        raise RuntimeError("cuda_q4: launch failed")
 
 
 def _slice_linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
@@ -660,7 +673,6 @@ def _slice_linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
     if w > 32:
         raise ValueError(f"cuda_q4: the slice form would need {w} warps a CTA")
     cuda, fns = _functions(x.device.index or 0)
-    stream = ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream)
     sm = lin.sm.view(torch.int32)
     for r0 in range(0, n, q4_layout.SPLIT_ROWS):
         r1 = min(n, r0 + q4_layout.SPLIT_ROWS)
@@ -669,18 +681,9 @@ def _slice_linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
         xw = 2 if r1 - r0 > 8 else 1
         nt, rnd = cols // 8, nbs // 4
         smem = k // 32 * cols * 20 + s * rnd * nt * 512 + s * rnd * xw * 512 + s * nt * 512
-        name = f"q4_slice{8 * xw}_{nt}".encode()
-        fn = fns[name]
-        if smem > 48 * 1024 and (fn.value, smem) not in _BIG_SMEM:
-            if smem > 227 * 1024 or cuda.cuFuncSetAttribute(fn, 8, smem):  # MAX_DYNAMIC_SHARED_SIZE_BYTES
-                raise ValueError(f"cuda_q4: the slice form needs {smem} bytes of shared memory")
-            _BIG_SMEM.add((fn.value, smem))
-        args = [ctypes.c_void_p(t.data_ptr()) for t in (xs, lin.qs, sm, res, ys, ys, ys)]
-        args += [ctypes.c_int(v) for v in (r1 - r0, big_n, k, xs.stride(0), res.stride(0),
-                                            ys.stride(0), s, int(residual is not None))]
-        argv = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p)
-                                               for a in args])
         grid = (big_n // cols, 1, -(-(r1 - r0) // 16))
-        if cuda.cuLaunchKernel(fn, *grid, w * 32, 1, 1, smem, stream, argv, None):
-            raise RuntimeError("cuda_q4: launch failed")
+        _launch(cuda, fns[f"q4_slice{8 * xw}_{nt}".encode()], grid, w * 32, smem,
+                (xs, lin.qs, sm, res, ys, ys, ys),  # (no partials, no tickets)
+                (r1 - r0, big_n, k, xs.stride(0), res.stride(0), ys.stride(0), s,
+                 int(residual is not None)))
     return out
