@@ -26,10 +26,19 @@ def apply(mode: str) -> None:
     if re.search(r'cudacols[0-9]+', mode):  # ... its columns a warp
         from kernels import cuda_q4
         cuda_q4.COLS = int(re.search(r'cudacols([0-9]+)', mode).group(1))
-    if re.search(r'cudad[0-9]+', mode) or 'cudastream' in mode or 'cudaslice' in mode:
-        from kernels import cuda_q4  # ... its form: a ring of N blocks, streamed, a CTA a slice
+    if re.search(r'cudad[0-9]+', mode) or 'cudastream' in mode:
+        from kernels import cuda_q4  # ... its form: a ring of N blocks, or streamed
         cuda_q4.DEPTH = (int(re.search(r'cudad([0-9]+)', mode).group(1)) if 'cudad' in mode
-                         else cuda_q4.STREAM if 'cudastream' in mode else cuda_q4.SLICE)
+                         else cuda_q4.STREAM)
+    if re.search(r'csw[0-9]+', mode):  # q4 linears from N rows on cuda_q4's swapped form
+        from kernels import triton_linear
+        triton_linear.CUDA_SWAP_MIN_ROWS = int(re.search(r'csw([0-9]+)', mode).group(1))
+    if re.search(r'cswmt[0-9]+', mode):  # ... its m16 feature tiles a warp
+        from kernels import cuda_q4
+        cuda_q4.SWAP_MT = int(re.search(r'cswmt([0-9]+)', mode).group(1))
+    if re.search(r'csww[0-9]+', mode):  # ... its warps a CTA
+        from kernels import cuda_q4
+        cuda_q4.SWAP_WARPS = int(re.search(r'csww([0-9]+)', mode).group(1))
     if 'novarlen' in mode:  # prefill attention: a FlashAttention call per piece per stream (v10)
         from kernels import prefill
         prefill.VARLEN = False

@@ -22,7 +22,7 @@ def main() -> None:
     ap.add_argument("--ms", default="1,64", help="rows of x for the q4 linears")
     ap.add_argument("--ts", default="1,64", help="tokens for the experts ('none': no experts)")
     ap.add_argument("--cuda", default="",
-                    help="kernels/cuda_q4.py variants too: COLSxDEPTH,... (DEPTH 2-8, stream, slice)")
+                    help="kernels/cuda_q4.py variants too: COLSxDEPTH,... (DEPTH 2-8, stream)")
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",") if v]
     g = torch.Generator("cuda").manual_seed(0)
@@ -31,7 +31,7 @@ def main() -> None:
     stacked = StackedExperts.stack(tuple((rand_q4(1536, 2048, g), rand_q4(2048, 768, g))
                                          for _ in range(128)))
     routed = {int(t): routed_tokens(int(t), router, g) for t in args.ts.split(",") if t.isdigit()}
-    forms = {"stream": cuda_q4.STREAM, "slice": cuda_q4.SLICE}
+    forms = {"stream": cuda_q4.STREAM}
     variants = []  # (cols, depth)
     for spec in filter(None, args.cuda.split(",")):
         cols, depth = spec.split("x")

@@ -39,8 +39,9 @@ def _row(kernel, shape, m, mode, ms, nbytes, flops, copy_gbs, same) -> dict:
 
 
 # (columns a warp, blocks in flight) of the CUDA split programs timed with --cuda
-CUDA_VARIANTS = ((16, 8), (32, 4), (16, cuda_q4.STREAM), (8, cuda_q4.SLICE), (16, cuda_q4.SLICE),
-                 (32, cuda_q4.SLICE))
+CUDA_VARIANTS = ((16, 8), (32, 4), (16, cuda_q4.STREAM))
+# (m16 feature tiles a warp, warps a CTA) of the CUDA swapped form timed with --cuda from 9 rows
+SWAP_VARIANTS = ((1, 4), (2, 4), (1, 8), (2, 8))
 
 
 def _roomy(lin: q4_layout.Q4Linear) -> q4_layout.Q4Linear:
@@ -82,9 +83,11 @@ def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles, weights=("qkv", "
             modes += [(f"dense {t.name}{f' flat{u}' if u else ''}", dict(tile=t, flat=u, f16=1))
                       for t in dense_tiles for u in (0, 1, 2) if m >= dense_from]  # u k steps a loop
             if cuda:  # the split programs in CUDA C++ (kernels/cuda_q4.py, an experiment)
-                form = {cuda_q4.STREAM: "stream", cuda_q4.SLICE: "slice"}
-                modes += [(f"cuda split {c}c {form.get(d, f'd{d}')}", dict(cu=1, cols=c, depth=d))
-                          for c, d in CUDA_VARIANTS if n % c == 0]
+                modes += [(f"cuda split {c}c {'stream' if d == cuda_q4.STREAM else f'd{d}'}",
+                           dict(cu=1, cols=c, depth=d)) for c, d in CUDA_VARIANTS if n % c == 0]
+                if m > 8:  # the weights as the MMA's A operand, x through shared memory
+                    modes += [(f"cuda swap mt{mt} w{w}", dict(cu=2, mt=mt, warps=w))
+                              for mt, w in SWAP_VARIANTS if n % (16 * mt * w) == 0]
                 if m <= 8:  # what its loads alone / without the split merge take (wrong values)
                     modes += [(f"cuda probe {p.decode()}", dict(cu=1, cols=16, depth=cuda_q4.STREAM, probe=p))
                               for p in cuda_q4.PROBES]
@@ -96,7 +99,8 @@ def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles, weights=("qkv", "
                 out = torch.empty(m, n, device=DEV)
                 f16, plan, cu = kw.pop("f16", 0), kw.pop("plan", 0), kw.pop("cu", 0)
                 run = (triton_f16.linear if f16 else triton_linear.linear if plan
-                       else cuda_q4.linear if cu else triton_q4.linear)
+                       else cuda_q4.swap_linear if cu == 2 else cuda_q4.linear if cu
+                       else triton_q4.linear)
                 if f16:
                     try:
                         triton_f16.check_unroll(kw.get("flat", 0), k, lin.split, kw["tile"])

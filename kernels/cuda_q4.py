@@ -18,17 +18,23 @@ from global memory straight into B fragments (a column's block is 16 contiguous 
 needs bytes 2c, 2c+1, 2c+8, 2c+9 of it, c = lane % 4, for both of the block's k16 chunks),
 either through a ring of `depth` register slots (loads of weights and x that many blocks ahead
 of the MMAs) or (STREAM) with the warp's whole split streamed into shared memory by cp.async
-first. Its own ticket counters (one a row tile and column tile) sit beside the weight. A third
-form (SLICE, `q4_slice`) gives a CTA one column slice and all its splits: its warps dequantize
-the slice's blocks into shared memory together, one warp a split runs that split's MMA chain in
-the usual order, and the partials are summed in split order in shared memory (no ticket).
+first. Its own ticket counters (one a row tile and column tile) sit beside the weight.
 
-Measured on the H100 (GPU_NOTES v15): the same bits everywhere, but no faster than the Triton
-tile at 1-8 rows of qkv and o (the chain of dependent MMAs and the split merge set the time,
-not the bytes in flight); 32 columns a warp beat it on the lm_head (82.5% against 77% of
-copy). So it stays an experiment: `triton_linear.CUDA_MAX_ROWS` routes rows to it (off), and
-PROBES time its parts (loads alone, no merge, two accumulator chains). The SLICE form was
-written after the device time of its session: its bits and speed are unmeasured.
+A second form (`swap_linear`, `q4_swap`) swaps the MMA's operands for 9-255 rows: the weights
+as A (a warp's 16 or 32 features, each weight dequantized once), x as B for all of the CTA's
+16-64 tokens, from shared memory (a 4-stage cp.async ring of x and the weight bytes, x rounded
+to fp16 once a round, ldmatrix), the same split ranges and ticket merge.
+
+Measured on the H100 (GPU_NOTES v15, v16): every form gives the decode tile's bits — the
+swapped one too, so mma.sync sums a k16 chunk the same way with its operands exchanged — but
+none is faster where the engine needs it: at 1-8 rows of qkv and o the chain of dependent MMAs
+and the split merge set the time (not the bytes in flight); 32 columns a warp beat the Triton
+tile on the lm_head (82.5% against 77% of copy); the swapped form loses 1.3-2.8x at 16-128
+rows of qkv and o (a reading, not measured: each CTA stages its split's whole x, 42 MB of L2
+reads for qkv at 64 rows) and wins only on the lm_head (16 rows: 86 against 102 µs). So it
+stays an experiment: `triton_linear.CUDA_MAX_ROWS` / `CUDA_SWAP_MIN_ROWS` route rows to it
+(off), and PROBES time the split programs' parts (loads alone, no merge, two accumulator
+chains).
 
 Built at run time: NVRTC (found in the nvidia wheels beside torch, or pip's
 nvidia-cuda-nvrtc-cu12) compiles the source to PTX for the device's compute capability, and
@@ -260,143 +266,6 @@ __device__ __forceinline__ void stream_acc(float acc[NT][4], const unsigned char
   }
 }
 
-// One CTA a column slice (8 NT columns, rows m0..m0+15), every K split of it inside: the slice's
-// raw bytes stream into shared memory by cp.async in 4 rounds (a round: R = nbs / 4 blocks of
-// each split, one commit group); in each round all W warps dequantize the round's blocks into
-// B fragments and round x into A fragments (shared memory), then warp s < S runs split s's MMA
-// chain over them — the split's blocks in ascending order, as the decode tile — and at the end
-// warp 0 sums the S partials in split order 0..S-1 (the ticket merge's order) in shared memory.
-// So the dequant work of a chain is spread over the CTA's warps while each chain keeps its
-// order, and no partial goes through global memory. W >= S; nbs (blocks a split) % 4 == 0.
-template <bool ROWS16, int NT>
-__device__ __forceinline__ void q4_slice(const float* __restrict__ x, const unsigned char* __restrict__ qs,
-                                         const unsigned* __restrict__ sm, const float* __restrict__ res,
-                                         float* __restrict__ y, int M, int N, int K, int stride_x,
-                                         int stride_res, int stride_y, int S, int has_res) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  constexpr int QB = NT * 8 * 16, SB = NT * 8 * 4, CH = (QB + SB) / 16, XW = ROWS16 ? 2 : 1;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, W = blockDim.x >> 5;
-  const int c = lane & 3, g = lane >> 2;
-  const int n0 = blockIdx.x * 8 * NT, m0 = blockIdx.z * 16;
-  const int NB = K >> 5, nbs = NB / S, R = nbs >> 2;
-  unsigned char* sq = smem;                                        // [NB][QB] raw nibbles
-  unsigned char* ss = sq + NB * QB;                                // [NB][SB] (scale, min)
-  uint4* frag = reinterpret_cast<uint4*>(ss + NB * SB);            // [S][R][NT][32] B fragments
-  uint4* xf = frag + S * R * NT * 32;                              // [S][R][XW][32] A fragments
-  float4* part = reinterpret_cast<float4*>(xf + S * R * XW * 32);  // [S][NT][32] partials
-  const unsigned char* gq = qs + (long)n0 * 16;
-  const unsigned char* gs = reinterpret_cast<const unsigned char*>(sm + n0);
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {  // round r's blocks of every split: one commit group
-    for (int i = threadIdx.x; i < S * R * CH; i += blockDim.x) {
-      const int sj = i / CH, ch = i % CH;
-      const int b = (sj / R) * nbs + r * R + sj % R;
-      if (ch < QB / 16)
-        cp_async16(sq + b * QB + ch * 16, gq + (long)b * N * 16 + ch * 16);
-      else
-        cp_async16(ss + b * SB + (ch - QB / 16) * 16, gs + (long)b * N * 4 + (ch - QB / 16) * 16);
-    }
-    asm volatile("cp.async.commit_group;" ::: "memory");
-  }
-  const int r0 = m0 + g, r1 = m0 + g + 8;
-  const bool v0 = r0 < M, v1 = r1 < M;
-  const float* x0 = x + (long)(v0 ? r0 : 0) * stride_x;
-  const float* x1 = x + (long)(v1 ? r1 : 0) * stride_x;
-  const unsigned sel = (c & 1) ? 0x7362u : 0x5140u;
-  const int word = (c >> 1) * 4;
-  float acc[NT][4];
-#pragma unroll
-  for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    // x of this warp's A-fragment items (item sj = warp + q W, q < 4: S R <= 4 W, the host
-    // sees to it), loaded before the wait so that their latency overlaps the weights'
-    float2 px[4][ROWS16 ? 8 : 4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int sj = warp + q * W;
-      if (sj < S * R) load_x<ROWS16>(x0, x1, v0, v1, ((sj / R) * nbs + r * R + sj % R) << 5, c, px[q]);
-    }
-    if (r == 0) asm volatile("cp.async.wait_group 3;" ::: "memory");
-    if (r == 1) asm volatile("cp.async.wait_group 2;" ::: "memory");
-    if (r == 2) asm volatile("cp.async.wait_group 1;" ::: "memory");
-    if (r == 3) asm volatile("cp.async.wait_group 0;" ::: "memory");
-    __syncthreads();  // every thread's copies of round r have landed
-    // produce: the round's S R NT B fragments, a warp an item, then this warp's A fragments
-    for (int it = warp; it < S * R * NT; it += W) {
-      const int sj = it / NT, i = it % NT;
-      const int b = (sj / R) * nbs + r * R + sj % R;
-      const unsigned w0 = *reinterpret_cast<const unsigned*>(sq + b * QB + (g + 8 * i) * 16 + word);
-      const unsigned w1 = *reinterpret_cast<const unsigned*>(sq + b * QB + (g + 8 * i) * 16 + word + 8);
-      const unsigned sc = *reinterpret_cast<const unsigned*>(ss + b * SB + (g + 8 * i) * 4);
-      unsigned lo[2], hi[2];
-      dequant(w0, w1, sel, sc, lo, hi);
-      frag[(sj * NT + i) * 32 + lane] = make_uint4(lo[0], lo[1], hi[0], hi[1]);
-    }
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int sj = warp + q * W;
-      if (sj < S * R) {
-        unsigned a_lo[4], a_hi[4];
-        x_frag<ROWS16>(px[q], 0, a_lo);
-        x_frag<ROWS16>(px[q], 1, a_hi);
-        xf[(sj * XW) * 32 + lane] = make_uint4(a_lo[0], a_lo[2], a_hi[0], a_hi[2]);
-        if (ROWS16) xf[(sj * XW + 1) * 32 + lane] = make_uint4(a_lo[1], a_lo[3], a_hi[1], a_hi[3]);
-      }
-    }
-    __syncthreads();
-    if (warp < S) {  // consume: split `warp`'s chain over its R blocks of this round
-      for (int j = 0; j < R; ++j) {
-        const int sj = warp * R + j;
-        const uint4 xa = xf[(sj * XW) * 32 + lane];
-        uint4 xb = make_uint4(0u, 0u, 0u, 0u);
-        if (ROWS16) xb = xf[(sj * XW + 1) * 32 + lane];
-        const unsigned a_lo[4] = {xa.x, xb.x, xa.y, xb.y}, a_hi[4] = {xa.z, xb.z, xa.w, xb.w};
-#pragma unroll
-        for (int i = 0; i < NT; ++i) {
-          const uint4 f = frag[(sj * NT + i) * 32 + lane];
-          const unsigned lo[2] = {f.x, f.y}, hi[2] = {f.z, f.w};
-          mma(acc[i], a_lo, lo);
-          mma(acc[i], a_hi, hi);
-        }
-      }
-    }
-    __syncthreads();  // the next round overwrites frag and xf
-  }
-  if (warp < S) {
-#pragma unroll
-    for (int i = 0; i < NT; ++i)
-      part[(warp * NT + i) * 32 + lane] = make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
-  }
-  __syncthreads();
-  if (warp != 0) return;
-#pragma unroll
-  for (int i = 0; i < NT; ++i) {  // split order 0..S-1: the ticket merge's order
-    float4 t = part[i * 32 + lane];
-    for (int q = 1; q < S; ++q) {
-      const float4 p = part[(q * NT + i) * 32 + lane];
-      t = make_float4(t.x + p.x, t.y + p.y, t.z + p.z, t.w + p.w);
-    }
-    const int cc = n0 + 8 * i + 2 * c;
-    if (v0) {
-      float2 o = make_float2(t.x, t.y);
-      if (has_res) {
-        const float2 rr = *reinterpret_cast<const float2*>(res + (long)r0 * stride_res + cc);
-        o = make_float2(rr.x + o.x, rr.y + o.y);
-      }
-      *reinterpret_cast<float2*>(y + (long)r0 * stride_y + cc) = o;
-    }
-    if (v1) {
-      float2 o = make_float2(t.z, t.w);
-      if (has_res) {
-        const float2 rr = *reinterpret_cast<const float2*>(res + (long)r1 * stride_res + cc);
-        o = make_float2(rr.x + o.x, rr.y + o.y);
-      }
-      *reinterpret_cast<float2*>(y + (long)r1 * stride_y + cc) = o;
-    }
-  }
-}
-
 // grid (cdiv(N / (8 NT), warps), S, cdiv(M, 16)); block warps * 32. Warp w: the 8 NT columns
 // from n0 = (blockIdx.x * warps + w) * 8 NT, rows m0 = blockIdx.z * 16 .. + 16, K split
 // blockIdx.y; tickets: one a (row tile, column tile). N % (8 NT) == 0, K % 64 == 0 (the host
@@ -483,6 +352,172 @@ __device__ __forceinline__ void q4_split(const float* __restrict__ x, const unsi
   }
 }
 
+// ---- the swapped form: the weights as the MMA's A operand (16 features a warp's m16 tile, MT
+// of them), x as B from shared memory, so a warp dequantizes each weight once for all the
+// launch's tokens (8 NG of them a CTA) — what the row-tile forms repeat per 16 rows.
+
+__device__ __forceinline__ void ldsm_x4(unsigned r[4], const __half* p) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
+}
+
+__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, int bytes) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(d), "l"(src), "r"(bytes) : "memory");
+}
+
+// grid (N / F, S, cdiv(M, T)), F = 16 MT W features and T = 8 NG tokens a CTA; block 32 W. Warp
+// w: features f0 = blockIdx.x F + 16 MT w .. + 16 MT, tokens t0 = blockIdx.z T .. + T, K split
+// blockIdx.y. The split's blocks go by rounds of RB = 2 through an NS = 4 stage cp.async ring
+// in shared memory (a stage: x [T][32 RB] fp32, rows past M zero-filled; the CTA's weight bytes
+// [RB][F][16]; their (scale, min) words [RB][F]); each round the CTA rounds its stage's x to
+// fp16 (nearest even, as the row-tile forms round) into a [T][32 RB + 8] tile (rows padded by
+// 16 bytes: ldmatrix's eight rows on distinct banks), then each warp dequantizes its features'
+// blocks once and runs them against all T tokens. Per accumulator the k16 chunks in the decode
+// tile's order (blocks ascending, a block's low nibbles then its high ones), the same split
+// ranges, the partials summed in split order 0..S-1 by the last CTA of a (token tile, feature
+// slice) (a ticket), then the residual: the decode tile's bits (measured on the H100, v16).
+template <int MT, int NG, int W>
+__device__ __forceinline__ void q4_swap(const float* __restrict__ x, const unsigned char* __restrict__ qs,
+                                        const unsigned* __restrict__ sm, const float* __restrict__ res,
+                                        float* __restrict__ y, float* __restrict__ ws,
+                                        int* __restrict__ tickets, int M, int N, int K, int stride_x,
+                                        int stride_res, int stride_y, int S, int has_res) {
+  constexpr int RB = 2, NS = 4, T = 8 * NG, KR = 32 * RB, LD = KR + 8, F = 16 * MT * W;
+  constexpr int XB = T * KR * 4, QB = RB * F * 16, SB = RB * F * 4, STAGE = XB + QB + SB;
+  constexpr int XCH = XB / 16, QCH = QB / 16, CH = (XB + QB + SB) / 16, THREADS = 32 * W;
+  extern __shared__ __align__(16) unsigned char smem[];
+  __half* xh = reinterpret_cast<__half*>(smem + NS * STAGE);  // [T][LD]
+  int* flag = reinterpret_cast<int*>(smem + NS * STAGE + T * LD * 2);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c = lane & 3, g = lane >> 2;
+  const int fc = blockIdx.x * F, fw = warp * 16 * MT, f0 = fc + fw;
+  const int t0 = blockIdx.z * T, sp = blockIdx.y;
+  const int per = ((K / 64 + S - 1) / S) * 64;
+  const int k_lo = sp * per, k_hi = min(k_lo + per, K);
+  const int rounds = (k_hi - k_lo) / KR;
+  const unsigned char* smb = reinterpret_cast<const unsigned char*>(sm);
+  // stage r's copies into slot r % NS: one commit group (empty past the split's end)
+  auto issue = [&](int r) {
+    if (r < rounds) {
+      unsigned char* st = smem + (r % NS) * STAGE;
+      const int kb0 = k_lo + r * KR, blk0 = kb0 >> 5;
+      for (int i = threadIdx.x; i < CH; i += THREADS) {
+        if (i < XCH) {
+          const int row = i / (KR / 4), c4 = i % (KR / 4), t = t0 + row;
+          cp_async16_zfill(st + i * 16, x + (long)(t < M ? t : 0) * stride_x + kb0 + 4 * c4, t < M ? 16 : 0);
+        } else if (i < XCH + QCH) {
+          const int j = i - XCH, b = j / F, f = j % F;
+          cp_async16(st + i * 16, qs + ((long)(blk0 + b) * N + fc + f) * 16);
+        } else {
+          const int j = i - XCH - QCH, b = j / (F / 4), q = j % (F / 4);
+          cp_async16(st + i * 16, smb + ((long)(blk0 + b) * N + fc) * 4 + q * 16);
+        }
+      }
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  };
+#pragma unroll
+  for (int st = 0; st < NS - 1; ++st) issue(st);
+  const unsigned sel = (c & 1) ? 0x7362u : 0x5140u;
+  const int word = (c >> 1) * 4;
+  float acc[MT][NG][4];
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int n = 0; n < NG; ++n) acc[m][n][0] = acc[m][n][1] = acc[m][n][2] = acc[m][n][3] = 0.f;
+  const __half* xl = xh + (lane & 7) * LD + 8 * (lane >> 3);  // this lane's ldmatrix row
+  for (int r = 0; r < rounds; ++r) {
+    asm volatile("cp.async.wait_group %0;" :: "n"(NS - 2) : "memory");  // stage r: this thread's
+    __syncthreads();  // ... and every thread's; round r - 1 computed by all
+    issue(r + NS - 1);  // into slot (r - 1) % NS, free now
+    const unsigned char* st = smem + (r % NS) * STAGE;
+    const float4* xf = reinterpret_cast<const float4*>(st);
+#pragma unroll
+    for (int q = 0; q < T * KR / 4 / THREADS; ++q) {
+      const int i = threadIdx.x + q * THREADS, row = i / (KR / 4), c4 = i % (KR / 4);
+      const float4 v = xf[i];
+      uint2 h;
+      h.x = half2_bits(__floats2half2_rn(v.x, v.y));
+      h.y = half2_bits(__floats2half2_rn(v.z, v.w));
+      *reinterpret_cast<uint2*>(xh + row * LD + 4 * c4) = h;
+    }
+    __syncthreads();
+    const unsigned char* wq = st + XB;
+    const unsigned* wsm = reinterpret_cast<const unsigned*>(st + XB + QB);
+#pragma unroll
+    for (int j = 0; j < RB; ++j) {
+      unsigned a_lo[MT][4], a_hi[MT][4];
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        unsigned lo0[2], hi0[2], lo1[2], hi1[2];
+        const int fa = j * F + fw + 16 * m + g, fb = fa + 8;  // features g and g + 8
+        dequant(*reinterpret_cast<const unsigned*>(wq + fa * 16 + word),
+                *reinterpret_cast<const unsigned*>(wq + fa * 16 + word + 8), sel, wsm[fa], lo0, hi0);
+        dequant(*reinterpret_cast<const unsigned*>(wq + fb * 16 + word),
+                *reinterpret_cast<const unsigned*>(wq + fb * 16 + word + 8), sel, wsm[fb], lo1, hi1);
+        a_lo[m][0] = lo0[0]; a_lo[m][1] = lo1[0]; a_lo[m][2] = lo0[1]; a_lo[m][3] = lo1[1];
+        a_hi[m][0] = hi0[0]; a_hi[m][1] = hi1[0]; a_hi[m][2] = hi0[1]; a_hi[m][3] = hi1[1];
+      }
+#pragma unroll
+      for (int n = 0; n < NG; ++n) {
+        unsigned b[4];  // tokens 8n + g, k = 2c, 2c+1 / + 8 of the low chunk, then the high one
+        ldsm_x4(b, xl + 8 * n * LD + 32 * j);
+        const unsigned b_lo[2] = {b[0], b[1]}, b_hi[2] = {b[2], b[3]};
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+          mma(acc[m][n], a_lo[m], b_lo);
+          mma(acc[m][n], a_hi[m], b_hi);
+        }
+      }
+    }
+  }
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+  // acc[m][n][e]: feature f0 + 16m + g + 8 (e >> 1), token t0 + 8n + 2c + (e & 1)
+  if (S > 1) {
+    const long split_stride = (long)M * N;
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int n = 0; n < NG; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int t = t0 + 8 * n + 2 * c + (e & 1), f = f0 + 16 * m + g + 8 * (e >> 1);
+          if (t < M) ws[sp * split_stride + (long)t * N + f] = acc[m][n][e];
+        }
+    __threadfence();
+    __syncthreads();
+    const int ticket = blockIdx.z * gridDim.x + blockIdx.x;
+    if (threadIdx.x == 0) *flag = atomicAdd(tickets + ticket, 1) == S - 1;
+    __syncthreads();
+    if (!*flag) return;
+    __threadfence();
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int n = 0; n < NG; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int t = t0 + 8 * n + 2 * c + (e & 1), f = f0 + 16 * m + g + 8 * (e >> 1);
+          if (t >= M) continue;
+          float v = __ldcg(ws + (long)t * N + f);
+          for (int q = 1; q < S; ++q) v = v + __ldcg(ws + q * split_stride + (long)t * N + f);
+          acc[m][n][e] = v;  // split order 0..S-1: the fixed merge order
+        }
+    if (threadIdx.x == 0) atomicExch(tickets + ticket, 0);
+  }
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int n = 0; n < NG; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = t0 + 8 * n + 2 * c + (e & 1), f = f0 + 16 * m + g + 8 * (e >> 1);
+        if (t < M) y[(long)t * stride_y + f] = has_res ? res[(long)t * stride_res + f] + acc[m][n][e]
+                                                       : acc[m][n][e];
+      }
+}
+
 #define Q4_ARGS const float* __restrict__ x, const unsigned char* __restrict__ qs, \
     const unsigned* __restrict__ sm, const float* __restrict__ res, float* __restrict__ y, \
     float* __restrict__ ws, int* __restrict__ tickets, int M, int N, int K, int stride_x, \
@@ -499,13 +534,15 @@ Q4_ROWS(8) Q4_ROWS(16) Q4_ENTRY(8, 1, 8) Q4_ENTRY(8, 2, 8)  // (16 rows at depth
 extern "C" __global__ void q4_probe1(Q4_ARGS) { q4_split<false, 2, 0, 1>(Q4_PASS); }
 extern "C" __global__ void q4_probe2(Q4_ARGS) { q4_split<false, 2, 0, 2>(Q4_PASS); }
 extern "C" __global__ void q4_probe3(Q4_ARGS) { q4_split<false, 2, 0, 3>(Q4_PASS); }
-// a CTA a column slice, every split inside (q4_slice): entries q4_slice{ROWS}_{NT}
-#define Q4_SLICE(ROWS, NT) extern "C" __global__ void q4_slice##ROWS##_##NT(Q4_ARGS) { \
-    q4_slice<ROWS == 16, NT>(x, qs, sm, res, y, M, N, K, stride_x, stride_res, stride_y, S, has_res); }
-Q4_SLICE(8, 1) Q4_SLICE(8, 2) Q4_SLICE(8, 4) Q4_SLICE(16, 1) Q4_SLICE(16, 2) Q4_SLICE(16, 4)
+// the swapped form (q4_swap): entries q4_swap{MT}_{NG}_w{W}
+#define Q4_SWAP(MT, NG, W) extern "C" __global__ void __launch_bounds__(32 * W, 1) \
+    q4_swap##MT##_##NG##_w##W(Q4_ARGS) { q4_swap<MT, NG, W>(Q4_PASS); }
 // depth 0: the split streamed whole into shared memory (stream_acc)
 Q4_ENTRY(8, 1, 0) Q4_ENTRY(8, 2, 0) Q4_ENTRY(8, 4, 0) Q4_ENTRY(16, 1, 0) Q4_ENTRY(16, 2, 0) Q4_ENTRY(16, 4, 0)
 """
+# the swapped form's (MT, NG, W) instances
+SWAP_FORMS = tuple((mt, ng, w) for mt in (1, 2) for ng in (2, 4, 8) for w in (4, 8))
+SOURCE += "".join(f"Q4_SWAP({mt}, {ng}, {w})\n" for mt, ng, w in SWAP_FORMS)
 
 
 def _find(pattern: str) -> str | None:
@@ -557,13 +594,15 @@ def ptx(arch: str = "compute_90") -> bytes:
 ENTRIES = tuple(f"q4_split{rows}_{cols // 8}_d{d}".encode()
                 for rows in (8, 16) for cols in (8, 16, 32) for d in (0, 2, 4, 8)
                 if cols * d <= 128 and (d < 8 or rows == 8))
-ENTRIES += tuple(f"q4_slice{rows}_{cols // 8}".encode() for rows in (8, 16) for cols in (8, 16, 32))
-STREAM, SLICE = 0, -1  # depths that name the other forms: the split streamed; a CTA a column slice
+ENTRIES += tuple(f"q4_swap{mt}_{ng}_w{w}".encode() for mt, ng, w in SWAP_FORMS)
+STREAM = 0  # the depth that names the other form: the warp's split streamed into shared memory
 PROBES = (b"q4_probe1", b"q4_probe2", b"q4_probe3")  # bench only: 16 columns, <= 8 rows, streamed
 COLS = 16  # columns a warp by default (the fastest at 1-8 rows of qkv, GPU_NOTES v15)
-DEPTH = 8  # blocks a warp keeps in flight (register ring slots), or STREAM / SLICE
+DEPTH = 8  # blocks a warp keeps in flight (register ring slots), or STREAM
+SWAP_MT = 2  # the swapped form: m16 feature tiles a warp
+SWAP_WARPS = 4  # ... and warps a CTA
 _BIG_SMEM: set = set()  # kernels given more than 48 KB of dynamic shared memory
-_TICKETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Q4Linear → {cols: tickets}
+_TICKETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Q4Linear → {key: tickets}
 
 
 @functools.cache
@@ -586,7 +625,8 @@ def _functions(device: int) -> tuple[ctypes.CDLL, dict]:
 
 def _tickets(lin: Q4Linear, cols: int) -> torch.Tensor:
     """The ticket counters of lin's split programs for column tiles of `cols` (zero between
-    launches: the last program of a tile resets its own), one a (row tile, column tile)."""
+    launches: the last program of a tile resets its own), one a (row tile of 16 or more rows,
+    column tile)."""
     per = _TICKETS.setdefault(lin, {})
     if cols not in per:
         per[cols] = torch.zeros(q4_layout.SPLIT_ROWS // 16 * (lin.out_features // cols),
@@ -601,20 +641,15 @@ def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
     parallel splits computes it; x [n, K] float32 contiguous rows, CUDA tensors; N a multiple
     of `cols` (8, 16 or 32 columns a warp; `warps` warps a CTA), K of 64; `depth` (2, 4 or 8)
     blocks of weights and x in flight a warp, STREAM: the warp's whole split streamed into
-    shared memory at once, or SLICE: a CTA a column slice, every split inside (q4_slice).
+    shared memory at once.
     probe: a PROBES kernel to launch instead (bench only: wrong values)."""
     n, big_n, k = x.shape[0], lin.out_features, lin.in_features
     cols, depth = cols or COLS, DEPTH if depth is None else depth
-    for t in (x, out) + ((residual,) if residual is not None else ()):
-        if not t.is_cuda or t.dtype != torch.float32 or t.stride(1) != 1 or t.stride(0) % 2:
-            raise ValueError("cuda_q4: x, out and residual must be CUDA float32 with contiguous, "
-                             "even-strided rows")
+    _check(x, out, residual)
     if cols not in (8, 16, 32) or big_n % cols or k % 64 or LINEAR_TILE.bk != 64 \
-            or depth not in (SLICE, STREAM, 2, 4, 8) or cols * depth > 128:
+            or depth not in (STREAM, 2, 4, 8) or cols * depth > 128:
         raise ValueError("cuda_q4: cols 8, 16 or 32 dividing N; K a multiple of 64; depth 2, 4 "
-                         "or 8 (cols x depth ≤ 128), STREAM or SLICE")
-    if depth == SLICE:
-        return _slice_linear(lin, x, out, residual, cols, warps)
+                         "or 8 (cols x depth ≤ 128), or STREAM")
     blocks = -(-k // 64 // lin.split) * 2  # a split's blocks (whole k steps of 64)
     smem = 0
     if depth == STREAM:  # the split streamed into shared memory: whole groups of 4 blocks
@@ -641,6 +676,13 @@ def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
     return out
 
 
+def _check(x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None) -> None:
+    for t in (x, out) + ((residual,) if residual is not None else ()):
+        if not t.is_cuda or t.dtype != torch.float32 or t.stride(1) != 1 or t.stride(0) % 2:
+            raise ValueError("cuda_q4: x, out and residual must be CUDA float32 with contiguous, "
+                             "even-strided rows")
+
+
 def _launch(cuda: ctypes.CDLL, fn: ctypes.c_void_p, grid: tuple[int, int, int], threads: int,
             smem: int, tensors: tuple, ints: tuple) -> None:
     """fn<<<grid, threads, smem>>> on torch's current stream with Q4_ARGS (the tensors'
@@ -659,31 +701,44 @@ def _launch(cuda: ctypes.CDLL, fn: ctypes.c_void_p, grid: tuple[int, int, int], 
         raise RuntimeError("cuda_q4: launch failed")
 
 
-def _slice_linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
-                  residual: torch.Tensor | None, cols: int, warps: int) -> torch.Tensor:
-    """`linear` in the q4_slice form: a CTA a column slice of `cols` columns and 16 rows, every
-    K split inside, merged in shared memory; max(S, warps or 4, S R / 4) warps (a split's
-    chain each, and at most 4 A-fragment items each a round)."""
+def swap_fits(lin: Q4Linear, x: torch.Tensor) -> bool:
+    """Whether swap_linear takes lin and x at the default SWAP_MT and SWAP_WARPS."""
+    return (lin.out_features % (16 * SWAP_MT * SWAP_WARPS) == 0 and lin.in_features % 64 == 0
+            and x.data_ptr() % 16 == 0 and x.stride(0) % 4 == 0)
+
+
+def swap_linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
+                residual: torch.Tensor | None = None, mt: int | None = None,
+                warps: int | None = None) -> torch.Tensor:
+    """`linear` in the swapped form (q4_swap): a warp takes 16 mt features (the weights as the
+    MMA's A operand, each dequantized once) for 16, 32 or 64 tokens of x (B, through shared
+    memory), a CTA `warps` such warps and one K split; the split partials merged as `linear`
+    merges them. x 16-byte aligned with rows a multiple of 4 floats apart."""
     n, big_n, k = x.shape[0], lin.out_features, lin.in_features
-    s = lin.split
-    nbs = k // 32 // s  # blocks a split
-    if (k // 64) % s or nbs % 4:
-        raise ValueError(f"cuda_q4: the slice form needs whole splits of 4k blocks ({nbs} a split)")
-    w = max(s, warps if warps > 1 else 4, -(-s * (nbs // 4) // 4))
-    if w > 32:
-        raise ValueError(f"cuda_q4: the slice form would need {w} warps a CTA")
+    mt, warps = mt or SWAP_MT, warps or SWAP_WARPS
+    feats = 16 * mt * warps
+    _check(x, out, residual)
+    if x.data_ptr() % 16 or x.stride(0) % 4:
+        raise ValueError("cuda_q4: the swapped form reads x as float4s (16-byte aligned rows)")
+    if mt not in (1, 2) or warps not in (4, 8) or big_n % feats or k % 64 or LINEAR_TILE.bk != 64:
+        raise ValueError(f"cuda_q4: the swapped form needs mt 1 or 2, 4 or 8 warps, N a multiple "
+                         f"of {feats} and K of 64")
+    ng = 2 if n <= 16 else 4 if n <= 32 else 8  # (a launch of SPLIT_ROWS rows at most)
     cuda, fns = _functions(x.device.index or 0)
     sm = lin.sm.view(torch.int32)
+    tickets = _tickets(lin, feats) if lin.split > 1 else sm
     for r0 in range(0, n, q4_layout.SPLIT_ROWS):
         r1 = min(n, r0 + q4_layout.SPLIT_ROWS)
         xs, ys = x[r0:r1], out[r0:r1]
         res = residual[r0:r1] if residual is not None else ys
-        xw = 2 if r1 - r0 > 8 else 1
-        nt, rnd = cols // 8, nbs // 4
-        smem = k // 32 * cols * 20 + s * rnd * nt * 512 + s * rnd * xw * 512 + s * nt * 512
-        grid = (big_n // cols, 1, -(-(r1 - r0) // 16))
-        _launch(cuda, fns[f"q4_slice{8 * xw}_{nt}".encode()], grid, w * 32, smem,
-                (xs, lin.qs, sm, res, ys, ys, ys),  # (no partials, no tickets)
-                (r1 - r0, big_n, k, xs.stride(0), res.stride(0), ys.stride(0), s,
+        rows = r1 - r0
+        ws = (torch.empty(lin.split, rows, big_n, dtype=torch.float32, device=x.device)
+              if lin.split > 1 else ys)
+        t = 8 * ng  # tokens a CTA; a stage: x [t][64] fp32, the weights' bytes and scales
+        smem = 4 * (t * 64 * 4 + 2 * feats * 20) + t * 72 * 2 + 16
+        grid = (big_n // feats, lin.split, -(-rows // t))
+        _launch(cuda, fns[f"q4_swap{mt}_{ng}_w{warps}".encode()], grid, warps * 32, smem,
+                (xs, lin.qs, sm, res, ys, ws, tickets),
+                (rows, big_n, k, xs.stride(0), res.stride(0), ys.stride(0), lin.split,
                  int(residual is not None)))
     return out

@@ -36,6 +36,10 @@ FMT_CODES = {"f32": FMT_F32, "q4": FMT_Q4, "q8": FMT_Q8}
 # (bench/ab_modes.py `cudaN`), off by default
 CUDA_MAX_ROWS: int | None = None
 CUDA_MAX_N = 16384
+# q4 calls of this many rows or more (below the dense path's) on cuda_q4's swapped form (the
+# weights as the MMA's A operand, each dequantized once for all rows), for weights of
+# SWAP_MAX_N outputs or more: an experiment (bench/ab_modes.py `cswN`), off by default
+CUDA_SWAP_MIN_ROWS: int | None = None
 
 
 @dataclass(frozen=True)
@@ -222,6 +226,11 @@ def linear(lin: Linear, x: torch.Tensor, out: torch.Tensor | None = None,
                 and q4_layout.SWAP_MAX_N <= lin.out_features <= CUDA_MAX_N):
             from kernels import cuda_q4
             return cuda_q4.linear(lin, x, out, residual)
+        if (tile is None and CUDA_SWAP_MIN_ROWS and n >= CUDA_SWAP_MIN_ROWS and x.is_cuda
+                and lin.out_features >= q4_layout.SWAP_MAX_N):
+            from kernels import cuda_q4
+            if cuda_q4.swap_fits(lin, x):
+                return cuda_q4.swap_linear(lin, x, out, residual)
         return triton_q4.linear(lin, x, out, residual, tile)
     tile = tile or LINEAR_TILE
     w, s, sw, ss = weight_args(lin)

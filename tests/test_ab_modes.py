@@ -21,11 +21,17 @@ def _knobs(mode: str, expr: str) -> list[str]:
 
 @pytest.mark.parametrize("mode,want", [("pdl", "None 16384 16 8"),
                                        ("pdl_cuda8_cudacols32_cudastream_cudan200000", "8 200000 32 0"),
-                                       ("pdl_cuda8_cudaslice", "8 16384 16 -1"),
                                        ("pdl_cuda8_cudacols8_cudad4", "8 16384 8 4")])
 def test_the_cuda_modes_route_rows_to_the_cuda_kernel(mode, want):
     assert _knobs(mode, "triton_linear.CUDA_MAX_ROWS, triton_linear.CUDA_MAX_N, cuda_q4.COLS, "
                         "cuda_q4.DEPTH") == want.split()
+
+
+@pytest.mark.parametrize("mode,want", [("pdl", "None 2 4"), ("pdl_csw16_cswmt1_csww8", "16 1 8"),
+                                       ("pdl_noswap_csw9", "9 2 4")])
+def test_the_swapped_cuda_modes_route_rows_to_the_swapped_form(mode, want):
+    assert _knobs(mode, "triton_linear.CUDA_SWAP_MIN_ROWS, cuda_q4.SWAP_MT, "
+                        "cuda_q4.SWAP_WARPS") == want.split()
 
 
 @pytest.mark.parametrize("mode,want", [("pdl", "512 512 8 3"),

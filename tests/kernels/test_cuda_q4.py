@@ -58,12 +58,11 @@ def test_the_cuda_q4_kernel_gives_the_decode_tile_bits(n, k):
         res = torch.randn(m, n, generator=g, device="cuda")
         want = triton_q4.linear(lin, x, torch.full((m, n), float("nan"), device="cuda"), res,
                                 tile=q4_layout.LINEAR_TILE, seq=False)
-        stream, slice_ = cuda_q4.STREAM, cuda_q4.SLICE
+        stream = cuda_q4.STREAM
         for cols, warps, depth in ((8, 1, 8), (16, 1, 4), (16, 1, 8), (32, 1, 4), (32, 4, 4),
-                                   (16, 1, stream), (32, 1, stream), (16, 2, stream),
-                                   (8, 1, slice_), (16, 1, slice_), (32, 1, slice_), (16, 8, slice_)):
+                                   (16, 1, stream), (32, 1, stream), (16, 2, stream)):
             blocks = k // 32 // lin.split
-            if n % cols or (depth == stream and blocks % 16) or (depth == slice_ and blocks % 4):
+            if n % cols or (depth == stream and blocks % 16):
                 continue
             got = cuda_q4.linear(lin, x, torch.full((m, n), float("nan"), device="cuda"), res,
                                  cols=cols, warps=warps, depth=depth)
@@ -85,9 +84,55 @@ def test_the_linear_routed_to_the_cuda_kernel_keeps_its_bits(monkeypatch):
     x = torch.randn(8, 4096, generator=g, device="cuda")
     res = torch.randn(8, 2048, generator=g, device="cuda")
     want = triton_linear.linear(lin, x, residual=res)
-    for depth in (8, cuda_q4.STREAM, cuda_q4.SLICE):
+    for depth in (8, cuda_q4.STREAM):
         monkeypatch.setattr(triton_linear, "CUDA_MAX_ROWS", 8)
         monkeypatch.setattr(cuda_q4, "DEPTH", depth)
         for m in (1, 3, 8):
             got = triton_linear.linear(lin, x[:m], residual=res[:m])
             assert torch.equal(got, want[:m]), (depth, m)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n,k", [(5120, 2048), (2048, 4096), (128, 2048), (128 * 37, 2048)])
+def test_the_swapped_form_gives_the_decode_tile_bits(n, k):
+    """Every (MT, NG, W) instance: 9-300 rows (token tiles of 16, 32, 64, partial ones,
+    several a launch), with and without the residual, split and unsplit weights."""
+    from bench.kernel_bench import rand_q4
+    from kernels import q4_layout, triton_q4
+
+    g = torch.Generator("cuda").manual_seed(n + k)
+    lin = q4_layout.repack(rand_q4(n, k, g))
+    for m in (9, 16, 17, 32, 40, 64, 100, 300):
+        x = torch.randn(m, k, generator=g, device="cuda")
+        res = torch.randn(m, n, generator=g, device="cuda")
+        want = triton_q4.linear(lin, x, torch.full((m, n), float("nan"), device="cuda"), res,
+                                tile=q4_layout.LINEAR_TILE, seq=False)
+        bare = triton_q4.linear(lin, x, torch.full((m, n), float("nan"), device="cuda"),
+                                tile=q4_layout.LINEAR_TILE, seq=False)
+        ng = 2 if m <= 16 else 4 if m <= 32 else 8
+        for mt, ng_, w in cuda_q4.SWAP_FORMS:
+            if ng_ != ng or n % (16 * mt * w):
+                continue
+            got = cuda_q4.swap_linear(lin, x, torch.full((m, n), float("nan"), device="cuda"), res,
+                                      mt=mt, warps=w)
+            assert torch.equal(got, want), (m, mt, w, float((got - want).abs().max()))
+            got = cuda_q4.swap_linear(lin, x, torch.full((m, n), float("nan"), device="cuda"),
+                                      mt=mt, warps=w)
+            assert torch.equal(got, bare), (m, mt, w)
+    assert lin.split == 1 or not any(t.any() for t in cuda_q4._TICKETS[lin].values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_linear_routed_to_the_swapped_form_keeps_its_bits(monkeypatch):
+    from bench.kernel_bench import rand_q4
+    from kernels import q4_layout, triton_linear
+
+    g = torch.Generator("cuda").manual_seed(8)
+    lin = q4_layout.repack(rand_q4(5120, 2048, g))
+    x = torch.randn(200, 2048, generator=g, device="cuda")
+    res = torch.randn(200, 5120, generator=g, device="cuda")
+    want = triton_linear.linear(lin, x, residual=res)
+    monkeypatch.setattr(triton_linear, "CUDA_SWAP_MIN_ROWS", 9)
+    for m in (1, 8, 9, 33, 64, 200):
+        got = triton_linear.linear(lin, x[:m], residual=res[:m])
+        assert torch.equal(got, want[:m]), m
