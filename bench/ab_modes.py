@@ -47,6 +47,10 @@ def apply(mode: str) -> None:
         prefill.MIN_POSITION = int(re.search(r'minpos([0-9]+)', mode).group(1))
     if re.search(r'enreg[0-9]+', mode):  # the seq expert kernels' register cap (both)
         triton_moe.SEQ_MAXNREG = triton_moe.DOWN_MAXNREG = int(re.search(r'enreg([0-9]+)', mode).group(1))
+    if 'noeprefetch' in mode:  # no L2 prefetch of the direct down programs' weights
+        triton_moe.PREFETCH_BLOCKS = None
+    elif re.search(r'eprefetch[0-9]+', mode):  # ... or this many blocks of it
+        triton_moe.PREFETCH_BLOCKS = int(re.search(r'eprefetch([0-9]+)', mode).group(1))
     if 'nomaxnreg' in mode:  # the seq expert kernels at the compiler's register count (v8)
         triton_moe.SEQ_MAXNREG = triton_moe.DOWN_MAXNREG = None
     if re.search(r'downnreg[0-9]+', mode):  # the down kernel's own cap (0: none)

@@ -90,19 +90,24 @@ def compile_attention(arch: int = 90):
                     num_warps=ta.WARPS, num_stages=ta.STAGES, launch_pdl=True)
 
 
-def compile_expert(kind: str, tile: Q4Tile, maxnreg: int | None, arch: int = 90):
+def compile_expert(kind: str, tile: Q4Tile, maxnreg: int | None, arch: int = 90,
+                   direct: bool = False):
     """The q4 expert kernel `kind` ("gate_up" or "down") of the 30B preset's experts as the
     engine launches it from SEQ_MIN_TOKENS grouped tokens: one program runs all K splits (SEQ),
-    `tile`'s warps and stages, registers capped at maxnreg (None: the compiler's choice)."""
+    `tile`'s warps and stages, registers capped at maxnreg (None: the compiler's choice).
+    direct: as launched up to DIRECT_MAX_TOKENS tokens instead (split programs, a slot an
+    assignment; down prefetches its weights into L2 before the wait)."""
     from kernels import moe_layout, triton_moe
 
     hidden, inter = 2048, 768
     n, k = (2 * inter, hidden) if kind == "gate_up" else (hidden, inter)
     consts = dict(FMT=triton_moe.FMT_CODES["q4"], BM=tile.bm, BN=tile.bn, BK=tile.bk,
-                  S=q4_layout.split_count(n, k, tile, moe_layout.EXPERT_PROGRAMS), SEQ=True,
-                  DIRECT=False, ASM=True, PDL=True, FLAT=0)
+                  S=q4_layout.split_count(n, k, tile, moe_layout.EXPERT_PROGRAMS), SEQ=not direct,
+                  DIRECT=direct, ASM=True, PDL=True, FLAT=0,
+                  PREFETCH=(triton_moe.PREFETCH_BLOCKS or 0) if direct else 0)
     if kind == "gate_up":
-        kern, consts = triton_moe._moe_gate_up_kernel, dict(consts, TOPK=8)
+        kern = triton_moe._moe_gate_up_kernel
+        consts = {k: v for k, v in consts.items() if k != "PREFETCH"} | dict(TOPK=8)
         ptrs = {"x_ptr": "*fp16", "meta_ptr": "*i32", "arows_ptr": "*i32", "w_ptr": "*u8",
                 "s_ptr": "*fp16", "inter_ptr": "*fp16", "ws_ptr": "*fp32", "tickets_ptr": "*i32"}
     else:

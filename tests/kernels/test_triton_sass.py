@@ -43,3 +43,22 @@ def test_paged_attention_streams_its_key_tiles_through_the_pipeline():
     instr, ldgsts, regs = (int(v) for v in m.groups())
     assert 200 < instr < 5000 and ldgsts > 0 and regs <= 128, out.stdout
 
+
+
+def test_the_direct_down_kernel_prefetches_its_weights_before_the_wait():
+    """Up to DIRECT_MAX_TOKENS tokens the down kernel prefetches its weights into L2 before
+    waiting on gate_up (CCTL.E.PF2 in the SASS); gate_up and the grouped seq kernels
+    do not."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("from bench import sass_report as sr\n"
+            "from kernels import moe_layout\n"
+            "for kind in ('gate_up', 'down'):\n"
+            "    for direct in (False, True):\n"
+            "        k = sr.compile_expert(kind, moe_layout.Q4_EXPERT_TILE, None, direct=direct)\n"
+            "        print(kind, direct, sr.sass(k.asm['cubin']).count('CCTL.E.PF2'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    counts = {tuple(line.split()[:2]): int(line.split()[2]) for line in out.stdout.splitlines()}
+    assert counts[("gate_up", "False")] == counts[("gate_up", "True")] == 0, out.stdout
+    assert counts[("down", "False")] == 0 and counts[("down", "True")] > 0, out.stdout
