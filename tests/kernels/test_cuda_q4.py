@@ -43,6 +43,8 @@ def test_the_cuda_q4_linear_refuses_what_its_kernel_cannot_take():
     lin = q4_layout.repack(quantize_q4(torch.randn(64, 96, generator=torch.Generator().manual_seed(0))))
     with pytest.raises(ValueError, match="CUDA float32"):
         cuda_q4.linear(lin, torch.randn(2, 96), torch.empty(2, 64))
+    with pytest.raises(ValueError, match="CUDA float32"):
+        cuda_q4.swap_linear(lin, torch.randn(16, 96), torch.empty(16, 64))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -72,24 +74,6 @@ def test_the_cuda_q4_kernel_gives_the_decode_tile_bits(n, k):
                                 tile=q4_layout.LINEAR_TILE, seq=False)
         assert torch.equal(got, want), m
     assert lin.split == 1 or not any(t.any() for t in cuda_q4._TICKETS[lin].values())
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_the_linear_routed_to_the_cuda_kernel_keeps_its_bits(monkeypatch):
-    from bench.kernel_bench import rand_q4
-    from kernels import q4_layout, triton_linear
-
-    g = torch.Generator("cuda").manual_seed(7)
-    lin = q4_layout.repack(rand_q4(2048, 4096, g))
-    x = torch.randn(8, 4096, generator=g, device="cuda")
-    res = torch.randn(8, 2048, generator=g, device="cuda")
-    want = triton_linear.linear(lin, x, residual=res)
-    for depth in (8, cuda_q4.STREAM):
-        monkeypatch.setattr(triton_linear, "CUDA_MAX_ROWS", 8)
-        monkeypatch.setattr(cuda_q4, "DEPTH", depth)
-        for m in (1, 3, 8):
-            got = triton_linear.linear(lin, x[:m], residual=res[:m])
-            assert torch.equal(got, want[:m]), (depth, m)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -123,16 +107,24 @@ def test_the_swapped_form_gives_the_decode_tile_bits(n, k):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_the_linear_routed_to_the_swapped_form_keeps_its_bits(monkeypatch):
+@pytest.mark.parametrize("knobs,n,k,rows", [
+    ((("triton_linear", "CUDA_MAX_ROWS", 8), ("cuda_q4", "DEPTH", 8)), 2048, 4096, (1, 3, 8)),
+    ((("triton_linear", "CUDA_MAX_ROWS", 8), ("cuda_q4", "DEPTH", cuda_q4.STREAM)), 2048, 4096,
+     (1, 3, 8)),
+    ((("triton_linear", "CUDA_SWAP_MIN_ROWS", 9),), 5120, 2048, (1, 8, 9, 33, 64, 200))])
+def test_the_linear_routed_to_a_cuda_form_keeps_its_bits(monkeypatch, knobs, n, k, rows):
+    """triton_linear.linear with rows routed to the ring, the streamed or the swapped form:
+    the bits of the Triton path (rows outside the routed range stay on it)."""
     from bench.kernel_bench import rand_q4
     from kernels import q4_layout, triton_linear
 
-    g = torch.Generator("cuda").manual_seed(8)
-    lin = q4_layout.repack(rand_q4(5120, 2048, g))
-    x = torch.randn(200, 2048, generator=g, device="cuda")
-    res = torch.randn(200, 5120, generator=g, device="cuda")
+    g = torch.Generator("cuda").manual_seed(n + len(rows))
+    lin = q4_layout.repack(rand_q4(n, k, g))
+    x = torch.randn(max(rows), k, generator=g, device="cuda")
+    res = torch.randn(max(rows), n, generator=g, device="cuda")
     want = triton_linear.linear(lin, x, residual=res)
-    monkeypatch.setattr(triton_linear, "CUDA_SWAP_MIN_ROWS", 9)
-    for m in (1, 8, 9, 33, 64, 200):
+    for module, name, value in knobs:
+        monkeypatch.setattr({"triton_linear": triton_linear, "cuda_q4": cuda_q4}[module], name, value)
+    for m in rows:
         got = triton_linear.linear(lin, x[:m], residual=res[:m])
-        assert torch.equal(got, want[:m]), m
+        assert torch.equal(got, want[:m]), (knobs, m)
