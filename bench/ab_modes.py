@@ -51,6 +51,8 @@ def apply(mode: str) -> None:
         triton_moe.PREFETCH_BLOCKS = None
     elif re.search(r'eprefetch[0-9]+', mode):  # ... or this many blocks of it
         triton_moe.PREFETCH_BLOCKS = int(re.search(r'eprefetch([0-9]+)', mode).group(1))
+    if 'fusedmoe' in mode:  # direct experts and combine in one launch (triton_moe.FUSED)
+        triton_moe.FUSED = True
     if 'nomaxnreg' in mode:  # the seq expert kernels at the compiler's register count (v8)
         triton_moe.SEQ_MAXNREG = triton_moe.DOWN_MAXNREG = None
     if re.search(r'downnreg[0-9]+', mode):  # the down kernel's own cap (0: none)

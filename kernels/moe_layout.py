@@ -43,6 +43,9 @@ class StackedExperts:
     gu_tickets: torch.Tensor | None = None
     down_tickets: torch.Tensor | None = None
     tile: Q4Tile | None = None  # q4: the tile the splits and tickets were counted for
+    # q4: the counters of the fused direct launch (kernels/triton_moe.py `_moe_fused_kernel`):
+    # [0] the work claim, [1..] a slot's merged gate_up tiles, then a token's merged down tiles
+    sync: torch.Tensor | None = None
 
     @classmethod
     def stack(cls, experts: tuple[tuple[Linear, Linear], ...], tile: Q4Tile | None = None,
@@ -73,7 +76,7 @@ class StackedExperts:
         ds = split_count(hidden, inter, tile, programs)
         tickets = lambda n: torch.zeros(e * _cdiv(n, tile.bn), dtype=torch.int32, device=dev)  # noqa: E731
         return cls(fmt, e, hidden, inter, gu, down, gs, ds, tickets(2 * inter), tickets(hidden),
-                   tile)
+                   tile, torch.zeros(1 + 2 * e, dtype=torch.int32, device=dev))
 
     @property
     def nbytes(self) -> int:

@@ -75,6 +75,15 @@ MID_MAX_TOKENS = 32
 SEQ_MAXNREG: int | None = 128
 DOWN_MAXNREG: int | None = 128  # the down kernel's cap (offline at 128: 22 spill stores, 80 B)
 MAXNREG_MIN_TOKENS = 16
+# below SEQ_MIN_TOKENS direct tokens, gate_up, down and the combine in one launch
+# (`_moe_fused_kernel`): programs claim work items in order — gate_up tiles, then down tiles,
+# then combine blocks — and an item waits on counters for what it reads (a slot's merged
+# gate_up tiles, a token's merged down tiles), so two kernel boundaries a layer go; each
+# item runs the split programs' code, so the bits are the three kernels' (H100: equal, eager
+# and in a graph with PDL). A first step of a persistent decode kernel (GPU_NOTES v16), off:
+# polling the counters with atomics it ran 1 stream at 271.8 against 322.3 tok/s; the polls
+# are now volatile loads with a pause and down prefetches its weights first (unmeasured)
+FUSED = False
 # direct launches (up to DIRECT_MAX_TOKENS tokens) with PDL: before waiting on gate_up, each
 # down program prefetches into L2 the first this-many 32-blocks of its expert's weight range
 # (the expert read from the top-k ids, final by then: written two kernels back). A prefetch
@@ -260,6 +269,198 @@ def _moe_down_kernel(inter_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, y_ptr, ws_ptr
             split_release(tickets_ptr, ticket)
 
 
+@triton.jit
+def _backoff(v, ASM: tl.constexpr):
+    """A pause between two polls of a counter (nanosleep on the GPU; nothing interpreted)."""
+    if ASM:
+        v = tl.inline_asm_elementwise(asm="nanosleep.u32 64;\nmov.u32 $0, $1;", constraints="=r,r",
+                                      args=[v], dtype=tl.int32, is_pure=False, pack=1)
+    return v
+
+
+@triton.jit
+def _wait_then_count(cnt_ptr, target, readers, ASM: tl.constexpr):
+    """Poll the counter (volatile loads with a pause: the first version polled with atomics,
+    one L2 atomic unit for ~1,000 spinning programs, and lost 16% at 1 stream) until it
+    reaches target (its producers' count), then count this reader in (acq_rel: the reads
+    that follow see what the producers wrote); the last of `readers` readers resets it to 0
+    for the next launch."""
+    seen = tl.load(cnt_ptr, volatile=True)
+    while seen < target:
+        seen = tl.load(cnt_ptr + _backoff(seen, ASM) * 0, volatile=True)
+    if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == target + readers - 1:
+        tl.atomic_xchg(cnt_ptr, 0)
+
+
+@triton.jit
+def _fused_gate_up(item, x_ptr, ids_ptr, gw_ptr, gs_ptr, inter_ptr, gws_ptr, gtk_ptr, ready_ptr,
+                   TK, I, H, stride_x, stride_gwe, stride_gse, stride_inter, TOPK: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SG: tl.constexpr,
+                   ASM: tl.constexpr):
+    """Gate_up item (slot, n-tile, split): `_moe_gate_up_kernel`'s split program (parallel,
+    DIRECT); the tile's merge counts itself in the slot's ready counter."""
+    NGT = tl.cdiv(2 * I, BN)
+    a = item // (NGT * SG)
+    pid_n = (item // SG) % NGT
+    sp = item % SG
+    rows = tl.zeros((BM,), tl.int32) + a
+    valid = tl.arange(0, BM) < 1
+    e = tl.load(ids_ptr + a).to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_mask = offs_n < 2 * I
+    k_lo, k_hi = split_range(H, sp, SG, BK)
+    split_stride = TK.to(tl.int64) * (2 * I)
+    offs = rows.to(tl.int64)[:, None] * (2 * I) + offs_n[None, :]
+    mask = valid[:, None] & n_mask[None, :]
+    acc = q4_rows(x_ptr, rows // TOPK, valid, stride_x, gw_ptr + e * stride_gwe,
+                  gs_ptr + e * stride_gse, pid_n * BN, n_mask, 2 * I, k_lo, k_hi, BM, BN,
+                  BK // 32, ASM)
+    tl.store(gws_ptr + sp * split_stride + offs, acc, mask=mask)
+    ticket = a * NGT + pid_n
+    if split_ticket(gtk_ptr, ticket, SG):
+        acc = split_load_sum(gws_ptr, offs, mask, split_stride, SG)
+        cols = pid_n * (BN // 2) + tl.arange(0, BN // 2)
+        g, u = tl.split(tl.reshape(acc, (BM, BN // 2, 2)))
+        h = g / (1.0 + tl.exp(-g)) * u
+        dst = inter_ptr + rows.to(tl.int64)[:, None] * stride_inter + cols[None, :]
+        tl.store(dst, h.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & (cols < I)[None, :])
+        split_release(gtk_ptr, ticket)
+        tl.debug_barrier()  # the slot's inter stores before its count
+        tl.atomic_add(ready_ptr + a, 1, sem="release")
+
+
+@triton.jit
+def _fused_down(item, ids_ptr, dw_ptr, ds_ptr, inter_ptr, y_ptr, dws_ptr, dtk_ptr, ready_ptr,
+                done_ptr, TK, I, H, stride_dwe, stride_dse, stride_inter, stride_y,
+                TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                SG: tl.constexpr, SD: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr):
+    """Down item (slot, n-tile, split), once its slot's gate_up tiles are merged:
+    `_moe_down_kernel`'s split program; the tile's merge counts itself in the token's done
+    counter."""
+    NGT = tl.cdiv(2 * I, BN)
+    NDT = tl.cdiv(H, BN)
+    a = item // (NDT * SD)
+    pid_n = (item // SD) % NDT
+    sp = item % SD
+    e = tl.load(ids_ptr + a).to(tl.int64)  # (the top-k's, final before this launch)
+    k_lo, k_hi = split_range(I, sp, SD, BK)
+    if PREFETCH > 0:  # the weights into L2 while the slot's gate_up tiles finish
+        prefetch_weights(dw_ptr + e * stride_dwe, ds_ptr + e * stride_dse, pid_n * BN, H, k_lo,
+                         k_hi, BN, PREFETCH)
+    _wait_then_count(ready_ptr + a, NGT, NDT * SD, ASM)
+    rows = tl.zeros((BM,), tl.int32) + a
+    valid = tl.arange(0, BM) < 1
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_mask = offs_n < H
+    split_stride = TK.to(tl.int64) * H
+    offs = rows.to(tl.int64)[:, None] * H + offs_n[None, :]
+    mask = valid[:, None] & n_mask[None, :]
+    acc = q4_rows(inter_ptr, rows, valid, stride_inter, dw_ptr + e * stride_dwe,
+                  ds_ptr + e * stride_dse, pid_n * BN, n_mask, H, k_lo, k_hi, BM, BN, BK // 32, ASM)
+    tl.store(dws_ptr + sp * split_stride + offs, acc, mask=mask)
+    ticket = a * NDT + pid_n
+    if split_ticket(dtk_ptr, ticket, SD):
+        acc = split_load_sum(dws_ptr, offs, mask, split_stride, SD)
+        tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_y + offs_n[None, :], acc, mask=mask)
+        split_release(dtk_ptr, ticket)
+        tl.debug_barrier()  # the y stores before the token's count
+        tl.atomic_add(done_ptr + a // TOPK, 1, sem="release")
+
+
+@triton.jit
+def _fused_combine(item, wts_ptr, res_ptr, out_ptr, y_ptr, done_ptr, I, H, stride_y, stride_res,
+                   stride_out, TOPK: tl.constexpr, BN: tl.constexpr, CB: tl.constexpr,
+                   HAS_RES: tl.constexpr, ASM: tl.constexpr):
+    """Combine item (token, column block), once the token's k rows of y are merged:
+    `_moe_combine_kernel`'s program (y read from L2: other programs wrote it)."""
+    NDT = tl.cdiv(H, BN)
+    NCB = tl.cdiv(H, CB)
+    t = item // NCB
+    _wait_then_count(done_ptr + t, TOPK * NDT, NCB, ASM)
+    t = t.to(tl.int64)
+    n = (item % NCB) * CB + tl.arange(0, CB)
+    mask = n < H
+    acc = tl.load(y_ptr + (t * TOPK) * stride_y + n, mask=mask, other=0.0, cache_modifier=".cg") \
+        * tl.load(wts_ptr + t * TOPK)
+    for r in tl.static_range(1, TOPK):
+        w = tl.load(wts_ptr + t * TOPK + r)
+        acc = acc + tl.load(y_ptr + (t * TOPK + r) * stride_y + n, mask=mask, other=0.0,
+                            cache_modifier=".cg") * w
+    if HAS_RES:
+        acc = tl.load(res_ptr + t * stride_res + n, mask=mask, other=0.0) + acc
+    tl.store(out_ptr + t * stride_out + n, acc, mask=mask)
+
+
+@triton.jit(do_not_specialize=["T", "TK"])
+def _moe_fused_kernel(x_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, gw_ptr, gs_ptr, dw_ptr, ds_ptr,
+                      inter_ptr, y_ptr, gws_ptr, dws_ptr, gtk_ptr, dtk_ptr, sync_ptr, T, TK, E, I, H,
+                      stride_x, stride_gwe, stride_gse, stride_dwe, stride_dse, stride_inter,
+                      stride_y, stride_res, stride_out, TOPK: tl.constexpr, BM: tl.constexpr,
+                      BN: tl.constexpr, BK: tl.constexpr, SG: tl.constexpr, SD: tl.constexpr,
+                      CB: tl.constexpr, HAS_RES: tl.constexpr, ASM: tl.constexpr,
+                      PDL: tl.constexpr, PREFETCH: tl.constexpr):
+    """The direct q4 experts of TK = T * TOPK assignments (slot a = assignment a, expert
+    ids[a]) and their combine, one launch: each program claims the next work item — (slot,
+    gate_up n-tile, split) items first, then (slot, down n-tile, split), then (token, column
+    block) — so an item's inputs come from items claimed before it, all held by running
+    programs: the waits end. Every item is the code of its kernel's program, so the bits are
+    the three kernels'. sync: [0] the claim counter, [1 + a] slot a's merged gate_up tiles,
+    [1 + E + t] token t's merged down tiles; each reset by its last user."""
+    pdl_wait(PDL)
+    n_gu = TK * tl.cdiv(2 * I, BN) * SG
+    n_dn = TK * tl.cdiv(H, BN) * SD
+    item = tl.atomic_add(sync_ptr, 1, sem="acq_rel")
+    if item == n_gu + n_dn + T * tl.cdiv(H, CB) - 1:  # all claimed: free for the next launch
+        tl.atomic_xchg(sync_ptr, 0)
+    if item < n_gu:
+        _fused_gate_up(item, x_ptr, ids_ptr, gw_ptr, gs_ptr, inter_ptr, gws_ptr, gtk_ptr,
+                       sync_ptr + 1, TK, I, H, stride_x, stride_gwe, stride_gse, stride_inter,
+                       TOPK, BM, BN, BK, SG, ASM)
+    elif item < n_gu + n_dn:
+        _fused_down(item - n_gu, ids_ptr, dw_ptr, ds_ptr, inter_ptr, y_ptr, dws_ptr, dtk_ptr,
+                    sync_ptr + 1, sync_ptr + 1 + E, TK, I, H, stride_dwe, stride_dse,
+                    stride_inter, stride_y, TOPK, BM, BN, BK, SG, SD, ASM, PREFETCH)
+    else:
+        _fused_combine(item - n_gu - n_dn, wts_ptr, res_ptr, out_ptr, y_ptr, sync_ptr + 1 + E, I,
+                       H, stride_y, stride_res, stride_out, TOPK, BN, CB, HAS_RES, ASM)
+
+
+def fused_fits(t: int, top_k: int, experts: StackedExperts, x: torch.Tensor) -> bool:
+    """Whether `moe` runs its experts and combine as one launch (FUSED)."""
+    return (FUSED and experts.fmt == "q4" and experts.sync is not None and 0 < t < SEQ_MIN_TOKENS
+            and t <= DIRECT_MAX_TOKENS and t * top_k <= experts.num_experts
+            and experts.gu_split > 1 and experts.down_split > 1)
+
+
+def _fused(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, experts: StackedExperts,
+           residual: torch.Tensor | None) -> torch.Tensor:
+    """The direct experts and the combine of `moe` in one launch (`_moe_fused_kernel`)."""
+    t, top_k = ids.shape
+    tk, dev, tile = t * top_k, x.device, experts.tile
+    check_x(x, experts.hidden)
+    inter = torch.empty(tk, experts.inter, dtype=inter_dtype(experts), device=dev)
+    y = torch.empty(tk, experts.hidden, dtype=torch.float32, device=dev)
+    out = torch.empty(t, experts.hidden, dtype=torch.float32, device=dev)
+    gws = torch.empty(experts.gu_split, tk, 2 * experts.inter, dtype=torch.float32, device=dev)
+    dws = torch.empty(experts.down_split, tk, experts.hidden, dtype=torch.float32, device=dev)
+    res = residual if residual is not None else out
+    cb = 256
+    items = (tk * triton.cdiv(2 * experts.inter, tile.bn) * experts.gu_split
+             + tk * triton.cdiv(experts.hidden, tile.bn) * experts.down_split
+             + t * triton.cdiv(experts.hidden, cb))
+    (gw, gs), (dw, ds) = experts.gu, experts.down
+    _moe_fused_kernel[(items,)](
+        x, ids, wts, res, out, gw, gs, dw, ds, inter, y, gws, dws, experts.gu_tickets,
+        experts.down_tickets, experts.sync, t, tk, experts.num_experts, experts.inter,
+        experts.hidden, x.stride(0),
+        gw.stride(0), gs.stride(0), dw.stride(0), ds.stride(0), inter.stride(0), y.stride(0),
+        res.stride(0), out.stride(0), TOPK=top_k, BM=tile.bm, BN=tile.bn, BK=tile.bk,
+        SG=experts.gu_split, SD=experts.down_split, CB=cb, HAS_RES=residual is not None,
+        ASM=triton_q4.use_asm(x), PREFETCH=(PREFETCH_BLOCKS or 0) if triton_q4.use_asm(x) else 0,
+        num_warps=tile.warps, num_stages=tile.stages, **triton_pdl.launch(x))
+    return out
+
+
 # ---- host side --------------------------------------------------------------------------------
 def moe(x: torch.Tensor, router: Linear, experts: StackedExperts, top_k: int,
         norm_topk_prob: bool, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -269,6 +470,8 @@ def moe(x: torch.Tensor, router: Linear, experts: StackedExperts, top_k: int,
     ids = torch.empty(t, top_k, dtype=torch.int32, device=dev)  # [T, k]
     wts = torch.empty(t, top_k, dtype=torch.float32, device=dev)  # [T, k]
     triton_moe_route.route(x, router, top_k, norm_topk_prob, ids, wts)
+    if fused_fits(t, top_k, experts, x):
+        return _fused(x, ids, wts, experts, residual)
     inter = torch.empty(t * top_k, experts.inter, dtype=inter_dtype(experts), device=dev)  # [T*k, I]
     y = torch.empty(t * top_k, experts.hidden, dtype=torch.float32, device=dev)  # [T*k, hidden]
     experts_forward(x, ids, experts, inter, y)

@@ -399,3 +399,28 @@ def test_stream_alone_vs_among_1_to_64_others_bitwise(preset):
         assert tokens[n // 2] == solo_tokens, n
         assert logits[n // 2] == solo_logits, f"{n} others: logit bits differ from the solo run"
         assert core.runner.graphs._graphs, "decode steps should have used CUDA graphs"
+
+
+def test_the_fused_direct_moe_gives_the_three_kernels_bits(monkeypatch):
+    """triton_moe.FUSED: gate_up, down and the combine of 1-7 direct tokens as one launch of
+    claimed work items, eager and in a CUDA graph with PDL: the three kernels' bits; every
+    counter back at zero."""
+    router, experts, stacked = real_moe()
+    g = torch.Generator(DEV).manual_seed(10)
+    for t in (1, 4, 7):
+        x = torch.randn(t, 2048, generator=g, device=DEV)
+        h = torch.randn(t, 2048, generator=g, device=DEV)
+        want = triton_moe.moe(x, router, stacked, 8, True, h)
+        monkeypatch.setattr(triton_moe, "FUSED", True)
+        assert triton_moe.fused_fits(t, 8, stacked, x)
+        assert torch.equal(triton_moe.moe(x, router, stacked, 8, True, h), want), t
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = triton_moe.moe(x, router, stacked, 8, True, h)
+        for _ in range(3):
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, want), t
+        monkeypatch.setattr(triton_moe, "FUSED", False)
+        assert not stacked.sync.any() and not stacked.gu_tickets.any() and not stacked.down_tickets.any()

@@ -575,3 +575,24 @@ def test_fused_forward_greedy_tokens_equal_cpu_engine(monkeypatch):
     core.model.fused = True
     assert core.model.layers[0].moe is not None
     assert run(core) == want
+
+
+def test_the_fused_direct_moe_gives_the_three_kernels_bits(monkeypatch):
+    """FUSED: gate_up, down and the combine of 1-7 direct tokens in one launch (work items
+    claimed in order, waits on counters) — the bits of the three kernels, every counter back at
+    zero after each launch (the next launch starts clean)."""
+    g = gen(13)
+    router, experts, stacked = _moe_setup("q4", g, hidden=256, inter=256)
+    assert (stacked.gu_split, stacked.down_split) == (4, 4)
+    fused = triton_moe._fused
+    for t in (1, 3):
+        x = torch.randn(t, 256, generator=g)
+        res = torch.randn(t, 256, generator=g)
+        want = triton_moe.moe(x, router, stacked, 2, True, res)
+        monkeypatch.setattr(triton_moe, "FUSED", True)
+        calls = []
+        monkeypatch.setattr(triton_moe, "_fused", lambda *a: calls.append(1) or fused(*a))
+        got = triton_moe.moe(x, router, stacked, 2, True, res)
+        monkeypatch.setattr(triton_moe, "FUSED", False)
+        assert calls and torch.equal(got, want), t
+        assert not stacked.sync.any() and not stacked.gu_tickets.any() and not stacked.down_tickets.any()
