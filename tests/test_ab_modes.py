@@ -47,3 +47,9 @@ def test_the_attention_modes_set_the_kernel_and_the_memory_estimate(mode, want):
 def test_the_expert_modes_set_the_stacking_tile_and_the_register_cap(mode, want):
     assert _knobs(mode, "moe_layout.Q4_EXPERT_TILE.name, triton_moe.DENSE_MIN_TOKENS, "
                         "triton_moe.SEQ_MAXNREG, triton_moe.DOWN_MAXNREG") == want.split()
+
+
+@pytest.mark.parametrize("mode,want", [("pdl", "4 False"), ("pdl_noeprefetch_fusedmoe", "None True"),
+                                       ("pdl_eprefetch2", "2 False")])
+def test_the_direct_expert_modes_set_the_prefetch_and_the_fused_launch(mode, want):
+    assert _knobs(mode, "triton_moe.PREFETCH_BLOCKS, triton_moe.FUSED") == want.split()
