@@ -280,9 +280,9 @@ def _backoff(v, ASM: tl.constexpr):
 
 @triton.jit
 def _wait_then_count(cnt_ptr, target, readers, ASM: tl.constexpr):
-    """Poll the counter (volatile loads with a pause: the first version polled with atomics,
-    one L2 atomic unit for ~1,000 spinning programs, and lost 16% at 1 stream) until it
-    reaches target (its producers' count), then count this reader in (acq_rel: the reads
+    """Poll the counter (volatile loads with a pause: the first version polled with atomics
+    and lost 16% at 1 stream, ~1,000 programs polling 8 counters being the likely cause) until
+    it reaches target (its producers' count), then count this reader in (acq_rel: the reads
     that follow see what the producers wrote); the last of `readers` readers resets it to 0
     for the next launch."""
     seen = tl.load(cnt_ptr, volatile=True)
