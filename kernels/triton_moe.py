@@ -33,6 +33,7 @@ from kernels.linear import Linear
 from kernels.moe_layout import StackedExperts, inter_dtype
 from kernels.q4_layout import Q4Tile
 from kernels.triton_linear import FMT_CODES, TileConfig, check_x, rows_times_w
+from kernels.triton_moe_route import combine_block
 from kernels.triton_pdl import pdl_wait
 from kernels.triton_f16 import f16_splits
 from kernels.triton_q4 import (prefetch_weights, q4_rows, q4_splits, split_load_sum, split_range,
@@ -151,6 +152,17 @@ def _prefetch_expert(w_ptr, s_ptr, expert, stride_we, stride_se, n0, N, K, S: tl
 
 
 @triton.jit
+def _silu_up_store(acc, inter_ptr, rows, valid, cols, stride_inter, I, BM: tl.constexpr,
+                   BN: tl.constexpr):
+    """inter[rows, cols] = silu(gate) * up from a gate_up tile [BM, BN] of interleaved gate/up
+    columns (BN // 2 outputs cols), in inter's dtype."""
+    g, u = tl.split(tl.reshape(acc, (BM, BN // 2, 2)))
+    h = g / (1.0 + tl.exp(-g)) * u
+    dst = inter_ptr + rows.to(tl.int64)[:, None] * stride_inter + cols[None, :]
+    tl.store(dst, h.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & (cols < I)[None, :])
+
+
+@triton.jit
 def _expert_all(x_ptr, rows, valid, stride_x, w_e, s_e, n0, n_mask, N, K, stride_w, stride_s,
                 FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                 S: tl.constexpr, ASM: tl.constexpr, FLAT: tl.constexpr):
@@ -211,10 +223,7 @@ def _moe_gate_up_kernel(x_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, inter_ptr, ws_
             else:
                 acc = _expert_all(x_ptr, rows // TOPK, valid, stride_x, w_e, s_e, pid_n * BN,
                                   n_mask, 2 * I, K, stride_w, stride_s, FMT, BM, BN, BK, S, ASM, FLAT)
-            g, u = tl.split(tl.reshape(acc, (BM, BN // 2, 2)))
-            h = g / (1.0 + tl.exp(-g)) * u
-            dst = inter_ptr + rows.to(tl.int64)[:, None] * stride_inter + cols[None, :]
-            tl.store(dst, h.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & (cols < I)[None, :])
+            _silu_up_store(acc, inter_ptr, rows, valid, cols, stride_inter, I, BM, BN)
         if parallel:
             split_release(tickets_ptr, ticket)
 
@@ -320,10 +329,7 @@ def _fused_gate_up(item, x_ptr, ids_ptr, gw_ptr, gs_ptr, inter_ptr, gws_ptr, gtk
     if split_ticket(gtk_ptr, ticket, SG):
         acc = split_load_sum(gws_ptr, offs, mask, split_stride, SG)
         cols = pid_n * (BN // 2) + tl.arange(0, BN // 2)
-        g, u = tl.split(tl.reshape(acc, (BM, BN // 2, 2)))
-        h = g / (1.0 + tl.exp(-g)) * u
-        dst = inter_ptr + rows.to(tl.int64)[:, None] * stride_inter + cols[None, :]
-        tl.store(dst, h.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & (cols < I)[None, :])
+        _silu_up_store(acc, inter_ptr, rows, valid, cols, stride_inter, I, BM, BN)
         split_release(gtk_ptr, ticket)
         tl.debug_barrier()  # the slot's inter stores before its count
         tl.atomic_add(ready_ptr + a, 1, sem="release")
@@ -377,18 +383,9 @@ def _fused_combine(item, wts_ptr, res_ptr, out_ptr, y_ptr, done_ptr, I, H, strid
     NCB = tl.cdiv(H, CB)
     t = item // NCB
     _wait_then_count(done_ptr + t, TOPK * NDT, NCB, ASM)
-    t = t.to(tl.int64)
-    n = (item % NCB) * CB + tl.arange(0, CB)
-    mask = n < H
-    acc = tl.load(y_ptr + (t * TOPK) * stride_y + n, mask=mask, other=0.0, cache_modifier=".cg") \
-        * tl.load(wts_ptr + t * TOPK)
-    for r in tl.static_range(1, TOPK):
-        w = tl.load(wts_ptr + t * TOPK + r)
-        acc = acc + tl.load(y_ptr + (t * TOPK + r) * stride_y + n, mask=mask, other=0.0,
-                            cache_modifier=".cg") * w
-    if HAS_RES:
-        acc = tl.load(res_ptr + t * stride_res + n, mask=mask, other=0.0) + acc
-    tl.store(out_ptr + t * stride_out + n, acc, mask=mask)
+    combine_block(y_ptr, wts_ptr, res_ptr, out_ptr, t.to(tl.int64),
+                  (item % NCB) * CB + tl.arange(0, CB), H, stride_y, stride_res, stride_out, TOPK,
+                  HAS_RES, ".cg")
 
 
 @triton.jit(do_not_specialize=["T", "TK"])
@@ -403,8 +400,8 @@ def _moe_fused_kernel(x_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, gw_ptr, gs_ptr,
     ids[a]) and their combine, one launch: each program claims the next work item — (slot,
     gate_up n-tile, split) items first, then (slot, down n-tile, split), then (token, column
     block) — so an item's inputs come from items claimed before it, all held by running
-    programs: the waits end. Every item is the code of its kernel's program, so the bits are
-    the three kernels'. sync: [0] the claim counter, [1 + a] slot a's merged gate_up tiles,
+    programs: the waits end. Every item runs its kernel's split-program steps (the combine and
+    the SiLU·up epilogue through the same helpers; the GPU test compares the bits). sync: [0] the claim counter, [1 + a] slot a's merged gate_up tiles,
     [1 + E + t] token t's merged down tiles; each reset by its last user."""
     pdl_wait(PDL)
     n_gu = TK * tl.cdiv(2 * I, BN) * SG
@@ -425,7 +422,7 @@ def _moe_fused_kernel(x_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, gw_ptr, gs_ptr,
                        H, stride_y, stride_res, stride_out, TOPK, BN, CB, HAS_RES, ASM)
 
 
-def fused_fits(t: int, top_k: int, experts: StackedExperts, x: torch.Tensor) -> bool:
+def fused_fits(t: int, top_k: int, experts: StackedExperts) -> bool:
     """Whether `moe` runs its experts and combine as one launch (FUSED)."""
     return (FUSED and experts.fmt == "q4" and experts.sync is not None and 0 < t < SEQ_MIN_TOKENS
             and t <= DIRECT_MAX_TOKENS and t * top_k <= experts.num_experts
@@ -470,7 +467,7 @@ def moe(x: torch.Tensor, router: Linear, experts: StackedExperts, top_k: int,
     ids = torch.empty(t, top_k, dtype=torch.int32, device=dev)  # [T, k]
     wts = torch.empty(t, top_k, dtype=torch.float32, device=dev)  # [T, k]
     triton_moe_route.route(x, router, top_k, norm_topk_prob, ids, wts)
-    if fused_fits(t, top_k, experts, x):
+    if fused_fits(t, top_k, experts):
         return _fused(x, ids, wts, experts, residual)
     inter = torch.empty(t * top_k, experts.inter, dtype=inter_dtype(experts), device=dev)  # [T*k, I]
     y = torch.empty(t * top_k, experts.hidden, dtype=torch.float32, device=dev)  # [T*k, hidden]

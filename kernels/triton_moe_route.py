@@ -108,13 +108,24 @@ def _moe_combine_kernel(y_ptr, wts_ptr, res_ptr, out_ptr, N, stride_y, stride_re
                         PDL: tl.constexpr):
     """out[t] = (res[t] +) sum_r w[t, r] * y[t*k + r], the sum in rank order."""
     pdl_wait(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    combine_block(y_ptr, wts_ptr, res_ptr, out_ptr, tl.program_id(0).to(tl.int64),
+                  tl.program_id(1) * BLOCK + tl.arange(0, BLOCK), N, stride_y, stride_res,
+                  stride_out, TOPK, HAS_RES, "")
+
+
+@triton.jit
+def combine_block(y_ptr, wts_ptr, res_ptr, out_ptr, t, n, N, stride_y, stride_res, stride_out,
+                  TOPK: tl.constexpr, HAS_RES: tl.constexpr, Y_CACHE: tl.constexpr):
+    """out[t, n] = (res[t, n] +) sum_r w[t, r] * y[t*k + r, n] in rank order, for the columns
+    n (< N) of token t (int64); y loaded with cache modifier Y_CACHE (".cg" where other
+    programs of the same launch wrote it)."""
     mask = n < N
-    acc = tl.load(y_ptr + (t * TOPK) * stride_y + n, mask=mask, other=0.0) * tl.load(wts_ptr + t * TOPK)
+    acc = tl.load(y_ptr + (t * TOPK) * stride_y + n, mask=mask, other=0.0,
+                  cache_modifier=Y_CACHE) * tl.load(wts_ptr + t * TOPK)
     for r in tl.static_range(1, TOPK):
         w = tl.load(wts_ptr + t * TOPK + r)
-        acc = acc + tl.load(y_ptr + (t * TOPK + r) * stride_y + n, mask=mask, other=0.0) * w
+        acc = acc + tl.load(y_ptr + (t * TOPK + r) * stride_y + n, mask=mask, other=0.0,
+                            cache_modifier=Y_CACHE) * w
     if HAS_RES:
         acc = tl.load(res_ptr + t * stride_res + n, mask=mask, other=0.0) + acc
     tl.store(out_ptr + t * stride_out + n, acc, mask=mask)
