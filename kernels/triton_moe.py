@@ -34,7 +34,7 @@ from kernels.moe_layout import StackedExperts, inter_dtype
 from kernels.q4_layout import Q4Tile
 from kernels.triton_linear import FMT_CODES, TileConfig, check_x, rows_times_w
 from kernels.triton_moe_route import combine_block
-from kernels.triton_pdl import pdl_wait
+from kernels.triton_pdl import globaltimer, pdl_wait, stamp_row
 from kernels.triton_f16 import f16_splits
 from kernels.triton_q4 import (prefetch_weights, q4_rows, q4_splits, split_load_sum, split_range,
                                split_release, split_store, split_ticket)
@@ -81,10 +81,17 @@ MAXNREG_MIN_TOKENS = 16
 # then combine blocks — and an item waits on counters for what it reads (a slot's merged
 # gate_up tiles, a token's merged down tiles), so two kernel boundaries a layer go; each
 # item runs the split programs' code, so the bits are the three kernels' (H100: equal, eager
-# and in a graph with PDL). A first step of a persistent decode kernel (GPU_NOTES v16), off:
-# polling the counters with atomics it ran 1 stream at 271.8 against 322.3 tok/s; the polls
-# are now volatile loads with a pause and down prefetches its weights first (unmeasured)
+# and in a graph with PDL). A first step of a persistent decode kernel (GPU_NOTES v16-v17),
+# off: it loses. H100, context 128, 1 / 4 streams: 323.4 / 875.1 tok/s with the three
+# kernels, 298.3 / 815.1 fused (GPU step 3.015 → 3.252 ms, +4.9 µs a layer); with claimed
+# items (FUSED_STATIC off) 268.7 / 809.4. bench/moe_timeline.py: a dependency through a
+# counter costs 1-3 µs, as much as the kernel boundary it replaces
 FUSED = False
+# the fused launch's program p runs item p (no claim counter: the hardware deals the items
+# out evenly over the SMs; claims taken in arrival order piled gate_up tiles on some SMs,
+# their last ending at 23 µs against 16) where the GPU holds all its programs at once (every
+# wait then ends; `blocks_per_sm`); else items are claimed
+FUSED_STATIC = True
 # direct launches (up to DIRECT_MAX_TOKENS tokens) with PDL: before waiting on gate_up, each
 # down program prefetches into L2 the first this-many 32-blocks of its expert's weight range
 # (the expert read from the top-k ids, final by then: written two kernels back). A prefetch
@@ -337,9 +344,10 @@ def _fused_gate_up(item, x_ptr, ids_ptr, gw_ptr, gs_ptr, inter_ptr, gws_ptr, gtk
 
 @triton.jit
 def _fused_down(item, ids_ptr, dw_ptr, ds_ptr, inter_ptr, y_ptr, dws_ptr, dtk_ptr, ready_ptr,
-                done_ptr, TK, I, H, stride_dwe, stride_dse, stride_inter, stride_y,
-                TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                SG: tl.constexpr, SD: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr):
+                done_ptr, TK, I, H, stride_dwe, stride_dse, stride_inter, stride_y, trace_ptr,
+                row, TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                SG: tl.constexpr, SD: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr,
+                TRACE: tl.constexpr):
     """Down item (slot, n-tile, split), once its slot's gate_up tiles are merged:
     `_moe_down_kernel`'s split program; the tile's merge counts itself in the token's done
     counter."""
@@ -354,6 +362,7 @@ def _fused_down(item, ids_ptr, dw_ptr, ds_ptr, inter_ptr, y_ptr, dws_ptr, dtk_pt
         prefetch_weights(dw_ptr + e * stride_dwe, ds_ptr + e * stride_dse, pid_n * BN, H, k_lo,
                          k_hi, BN, PREFETCH)
     _wait_then_count(ready_ptr + a, NGT, NDT * SD, ASM)
+    stamp_row(trace_ptr, row, 1, TRACE)
     rows = tl.zeros((BM,), tl.int32) + a
     valid = tl.arange(0, BM) < 1
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -375,14 +384,16 @@ def _fused_down(item, ids_ptr, dw_ptr, ds_ptr, inter_ptr, y_ptr, dws_ptr, dtk_pt
 
 @triton.jit
 def _fused_combine(item, wts_ptr, res_ptr, out_ptr, y_ptr, done_ptr, I, H, stride_y, stride_res,
-                   stride_out, TOPK: tl.constexpr, BN: tl.constexpr, CB: tl.constexpr,
-                   HAS_RES: tl.constexpr, ASM: tl.constexpr):
+                   stride_out, trace_ptr, row, TOPK: tl.constexpr, BN: tl.constexpr,
+                   CB: tl.constexpr, HAS_RES: tl.constexpr, ASM: tl.constexpr,
+                   TRACE: tl.constexpr):
     """Combine item (token, column block), once the token's k rows of y are merged:
     `_moe_combine_kernel`'s program (y read from L2: other programs wrote it)."""
     NDT = tl.cdiv(H, BN)
     NCB = tl.cdiv(H, CB)
     t = item // NCB
     _wait_then_count(done_ptr + t, TOPK * NDT, NCB, ASM)
+    stamp_row(trace_ptr, row, 1, TRACE)
     combine_block(y_ptr, wts_ptr, res_ptr, out_ptr, t.to(tl.int64),
                   (item % NCB) * CB + tl.arange(0, CB), H, stride_y, stride_res, stride_out, TOPK,
                   HAS_RES, ".cg")
@@ -392,23 +403,55 @@ def _fused_combine(item, wts_ptr, res_ptr, out_ptr, y_ptr, done_ptr, I, H, strid
 def _moe_fused_kernel(x_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, gw_ptr, gs_ptr, dw_ptr, ds_ptr,
                       inter_ptr, y_ptr, gws_ptr, dws_ptr, gtk_ptr, dtk_ptr, sync_ptr, T, TK, E, I, H,
                       stride_x, stride_gwe, stride_gse, stride_dwe, stride_dse, stride_inter,
-                      stride_y, stride_res, stride_out, TOPK: tl.constexpr, BM: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr, SG: tl.constexpr, SD: tl.constexpr,
-                      CB: tl.constexpr, HAS_RES: tl.constexpr, ASM: tl.constexpr,
-                      PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                      stride_y, stride_res, stride_out, trace_ptr, TOPK: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SG: tl.constexpr,
+                      SD: tl.constexpr, CB: tl.constexpr, HAS_RES: tl.constexpr,
+                      ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                      STATIC: tl.constexpr = False, TRACE: tl.constexpr = False):
     """The direct q4 experts of TK = T * TOPK assignments (slot a = assignment a, expert
     ids[a]) and their combine, one launch: each program claims the next work item — (slot,
     gate_up n-tile, split) items first, then (slot, down n-tile, split), then (token, column
     block) — so an item's inputs come from items claimed before it, all held by running
-    programs: the waits end. Every item runs its kernel's split-program steps (the combine and
-    the SiLU·up epilogue through the same helpers; the GPU test compares the bits). sync: [0] the claim counter, [1 + a] slot a's merged gate_up tiles,
-    [1 + E + t] token t's merged down tiles; each reset by its last user."""
+    programs: the waits end. STATIC: program p runs item p instead (the host launches it so
+    only where every program is resident at once). Every item runs its kernel's split-program
+    steps (the combine and the SiLU·up epilogue through the same helpers; the GPU test
+    compares the bits). sync: [0] the claim counter, [1 + a] slot a's merged gate_up tiles,
+    [1 + E + t] token t's merged down tiles; each reset by its last user. TRACE: per item,
+    trace[item] = (claimed, inputs ready, done, entered, SM at 7) in global ns
+    (bench/moe_timeline.py)."""
+    if TRACE:
+        entered = globaltimer()
+    else:
+        entered = 0
     pdl_wait(PDL)
     n_gu = TK * tl.cdiv(2 * I, BN) * SG
     n_dn = TK * tl.cdiv(H, BN) * SD
-    item = tl.atomic_add(sync_ptr, 1, sem="acq_rel")
-    if item == n_gu + n_dn + T * tl.cdiv(H, CB) - 1:  # all claimed: free for the next launch
-        tl.atomic_xchg(sync_ptr, 0)
+    total = n_gu + n_dn + T * tl.cdiv(H, CB)
+    if STATIC:  # item = program: every program resident at once (the host checks)
+        item = tl.program_id(0)
+    else:
+        item = tl.atomic_add(sync_ptr, 1, sem="acq_rel")
+        if item == total - 1:  # all claimed: free for the next launch
+            tl.atomic_xchg(sync_ptr, 0)
+    _fused_item(item, n_gu, n_dn, entered, x_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, gw_ptr,
+                gs_ptr, dw_ptr, ds_ptr, inter_ptr, y_ptr, gws_ptr, dws_ptr, gtk_ptr, dtk_ptr,
+                sync_ptr, TK, E, I, H, stride_x, stride_gwe, stride_gse, stride_dwe, stride_dse,
+                stride_inter, stride_y, stride_res, stride_out, trace_ptr, TOPK, BM, BN, BK, SG,
+                SD, CB, HAS_RES, ASM, PREFETCH, TRACE)
+
+
+@triton.jit
+def _fused_item(item, n_gu, n_dn, entered, x_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, gw_ptr,
+                gs_ptr, dw_ptr, ds_ptr, inter_ptr, y_ptr, gws_ptr, dws_ptr, gtk_ptr, dtk_ptr,
+                sync_ptr, TK, E, I, H, stride_x, stride_gwe, stride_gse, stride_dwe, stride_dse,
+                stride_inter, stride_y, stride_res, stride_out, trace_ptr, TOPK: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SG: tl.constexpr,
+                SD: tl.constexpr, CB: tl.constexpr, HAS_RES: tl.constexpr, ASM: tl.constexpr,
+                PREFETCH: tl.constexpr, TRACE: tl.constexpr):
+    """One work item of `_moe_fused_kernel`."""
+    stamp_row(trace_ptr, item, 0, TRACE)
+    if TRACE:
+        tl.store(trace_ptr + item.to(tl.int64) * 8 + 3, entered)
     if item < n_gu:
         _fused_gate_up(item, x_ptr, ids_ptr, gw_ptr, gs_ptr, inter_ptr, gws_ptr, gtk_ptr,
                        sync_ptr + 1, TK, I, H, stride_x, stride_gwe, stride_gse, stride_inter,
@@ -416,10 +459,13 @@ def _moe_fused_kernel(x_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, gw_ptr, gs_ptr,
     elif item < n_gu + n_dn:
         _fused_down(item - n_gu, ids_ptr, dw_ptr, ds_ptr, inter_ptr, y_ptr, dws_ptr, dtk_ptr,
                     sync_ptr + 1, sync_ptr + 1 + E, TK, I, H, stride_dwe, stride_dse,
-                    stride_inter, stride_y, TOPK, BM, BN, BK, SG, SD, ASM, PREFETCH)
+                    stride_inter, stride_y, trace_ptr, item, TOPK, BM, BN, BK, SG, SD, ASM,
+                    PREFETCH, TRACE)
     else:
         _fused_combine(item - n_gu - n_dn, wts_ptr, res_ptr, out_ptr, y_ptr, sync_ptr + 1 + E, I,
-                       H, stride_y, stride_res, stride_out, TOPK, BN, CB, HAS_RES, ASM)
+                       H, stride_y, stride_res, stride_out, trace_ptr, item, TOPK, BN, CB,
+                       HAS_RES, ASM, TRACE)
+    stamp_row(trace_ptr, item, 2, TRACE)
 
 
 def fused_fits(t: int, top_k: int, experts: StackedExperts) -> bool:
@@ -430,8 +476,9 @@ def fused_fits(t: int, top_k: int, experts: StackedExperts) -> bool:
 
 
 def _fused(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, experts: StackedExperts,
-           residual: torch.Tensor | None) -> torch.Tensor:
-    """The direct experts and the combine of `moe` in one launch (`_moe_fused_kernel`)."""
+           residual: torch.Tensor | None, trace: torch.Tensor | None = None) -> torch.Tensor:
+    """The direct experts and the combine of `moe` in one launch (`_moe_fused_kernel`);
+    trace: int64 [>= items, 8], the items' time stamps (bench/moe_timeline.py)."""
     t, top_k = ids.shape
     tk, dev, tile = t * top_k, x.device, experts.tile
     check_x(x, experts.hidden)
@@ -446,16 +493,53 @@ def _fused(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, experts: Stack
              + tk * triton.cdiv(experts.hidden, tile.bn) * experts.down_split
              + t * triton.cdiv(experts.hidden, cb))
     (gw, gs), (dw, ds) = experts.gu, experts.down
-    _moe_fused_kernel[(items,)](
-        x, ids, wts, res, out, gw, gs, dw, ds, inter, y, gws, dws, experts.gu_tickets,
-        experts.down_tickets, experts.sync, t, tk, experts.num_experts, experts.inter,
-        experts.hidden, x.stride(0),
-        gw.stride(0), gs.stride(0), dw.stride(0), ds.stride(0), inter.stride(0), y.stride(0),
-        res.stride(0), out.stride(0), TOPK=top_k, BM=tile.bm, BN=tile.bn, BK=tile.bk,
-        SG=experts.gu_split, SD=experts.down_split, CB=cb, HAS_RES=residual is not None,
-        ASM=triton_q4.use_asm(x), PREFETCH=(PREFETCH_BLOCKS or 0) if triton_q4.use_asm(x) else 0,
-        num_warps=tile.warps, num_stages=tile.stages, **triton_pdl.launch(x))
+    args = (x, ids, wts, res, out, gw, gs, dw, ds, inter, y, gws, dws, experts.gu_tickets,
+            experts.down_tickets, experts.sync, t, tk, experts.num_experts, experts.inter,
+            experts.hidden, x.stride(0), gw.stride(0), gs.stride(0), dw.stride(0), ds.stride(0),
+            inter.stride(0), y.stride(0), res.stride(0), out.stride(0),
+            out if trace is None else trace)
+    opts = dict(TOPK=top_k, TRACE=trace is not None, BM=tile.bm, BN=tile.bn, BK=tile.bk,
+                SG=experts.gu_split, SD=experts.down_split, CB=cb, HAS_RES=residual is not None,
+                ASM=triton_q4.use_asm(x),
+                PREFETCH=(PREFETCH_BLOCKS or 0) if triton_q4.use_asm(x) else 0,
+                num_warps=tile.warps, num_stages=tile.stages, **triton_pdl.launch(x))
+    if FUSED_STATIC and x.is_cuda:  # item = program where the GPU holds them all at once
+        opts["STATIC"] = items <= _resident_programs(args, dict(opts, STATIC=True), x.device)
+    _moe_fused_kernel[(items,)](*args, **opts)
     return out
+
+
+_RESIDENT: dict = {}
+
+
+def _resident_programs(args: tuple, opts: dict, device: torch.device) -> int:
+    """How many programs of `_moe_fused_kernel` (these constexprs) the device holds at once,
+    from the compiled kernel's registers and shared memory: a launch whose item is its
+    program may wait on items only resident programs run."""
+    key = (device.index, tuple(sorted((k, v) for k, v in opts.items() if k != "launch_pdl")))
+    if key not in _RESIDENT:
+        kern = _moe_fused_kernel.warmup(*args, grid=(1,), **opts)
+        kern._init_handles()  # loads the module: its register count
+        props = torch.cuda.get_device_properties(device)
+        _RESIDENT[key] = props.multi_processor_count * blocks_per_sm(
+            kern.n_regs, kern.metadata.shared, opts["num_warps"],
+            getattr(props, "regs_per_multiprocessor", 65536),
+            getattr(props, "shared_memory_per_multiprocessor", 233472),
+            getattr(props, "max_threads_per_multi_processor", 2048))
+    return _RESIDENT[key]
+
+
+def blocks_per_sm(regs: int, shared: int, warps: int, sm_regs: int = 65536,
+                  sm_shared: int = 233472, sm_threads: int = 2048, max_blocks: int = 32) -> int:
+    """Programs of `warps` warps an SM holds at once (Hopper's limits by default): registers
+    go to a warp in 8s a thread from one of the SM's 4 schedulers' quarter of the file (219 a
+    thread: 2 warps a quarter, 8 an SM, not 65,536 // 7,168 = 9: a looping form of the fused
+    launch that counted on 9 hung on the H100); shared memory with the 1 KB the system
+    reserves a program."""
+    warp_regs = -(-max(regs, 1) // 8) * 8 * 32
+    by_regs = 4 * ((sm_regs // 4) // warp_regs) // warps
+    by_smem = sm_shared // (shared + 1024) if shared else max_blocks
+    return max(0, min(by_regs, by_smem, sm_threads // (32 * warps), max_blocks))
 
 
 # ---- host side --------------------------------------------------------------------------------

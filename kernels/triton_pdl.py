@@ -81,8 +81,15 @@ def stamp(trace_ptr, point: tl.constexpr, TRACE: tl.constexpr):
     if TRACE:
         pid = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) \
             + tl.program_id(0)
-        row = trace_ptr + pid.to(tl.int64) * 8
-        tl.store(row + point, globaltimer())
+        stamp_row(trace_ptr, pid, point, TRACE)
+
+
+@triton.jit
+def stamp_row(trace_ptr, row, point: tl.constexpr, TRACE: tl.constexpr):
+    """stamp at trace[row, point] for a row the kernel chooses (a claimed work item, say)."""
+    if TRACE:
+        at = trace_ptr + row.to(tl.int64) * 8
+        tl.store(at + point, globaltimer())
         if point == 0:
-            tl.store(row + 7, smid().to(tl.int64))
+            tl.store(at + 7, smid().to(tl.int64))
 

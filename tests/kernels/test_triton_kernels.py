@@ -596,3 +596,17 @@ def test_the_fused_direct_moe_gives_the_three_kernels_bits(monkeypatch):
         monkeypatch.setattr(triton_moe, "FUSED", False)
         assert calls and torch.equal(got, want), t
         assert not stacked.sync.any() and not stacked.gu_tickets.any() and not stacked.down_tickets.any()
+
+
+def test_blocks_per_sm_counts_the_register_file_by_quarters():
+    """The fused launch's residency check (STATIC: item = program): Hopper's limits. The
+    fused kernel compiled at 124 registers fits 16 one-warp programs an SM (ncu read 16 for
+    the expert kernels at 128); at 219 a quarter of the file holds 2 warps, so 8, not the
+    9 a whole-file division gives; shared memory and threads bound the others."""
+    assert triton_moe.blocks_per_sm(124, 13312, 1) == 16
+    assert triton_moe.blocks_per_sm(219, 13312, 1) == 8
+    assert triton_moe.blocks_per_sm(128, 13312, 4) == 4
+    assert triton_moe.blocks_per_sm(32, 100_000, 1) == 2  # 233,472 // 101,024
+    assert triton_moe.blocks_per_sm(16, 0, 1) == 32  # the per-SM program limit
+    assert triton_moe.blocks_per_sm(16, 0, 32) == 2  # 2,048 threads
+    assert triton_moe.blocks_per_sm(255, 0, 32) == 0  # cannot launch: STATIC never taken
