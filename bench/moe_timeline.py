@@ -14,7 +14,6 @@ import argparse
 import json
 
 import torch
-import triton
 
 from bench.ab_modes import apply
 from bench.kernel_bench import rand_q4, routed_tokens, time_ms
@@ -29,13 +28,6 @@ def _layers(n: int, g: torch.Generator):
         tuple((rand_q4(1536, 2048, g), rand_q4(2048, 768, g)) for _ in range(128)))
         for _ in range(n)]
     return router, layers
-
-
-def item_counts(t: int, st: moe_layout.StackedExperts, top_k: int = 8) -> tuple[int, int, int]:
-    """(gate_up, down, combine) items of a fused launch for t tokens."""
-    tk, bn = t * top_k, st.tile.bn
-    return (tk * triton.cdiv(2 * st.inter, bn) * st.gu_split,
-            tk * triton.cdiv(st.hidden, bn) * st.down_split, t * triton.cdiv(st.hidden, 256))
 
 
 def time_layers(router, layers, t: int, g) -> dict:
@@ -69,7 +61,7 @@ def timeline(router, layers, t: int, g, static: bool) -> list[dict]:
 def _timeline(router, layers, t: int, g) -> list[dict]:
     x, ids, wts = routed_tokens(t, router, g)
     res = torch.randn_like(x)
-    n_gu, n_dn, n_cb = item_counts(t, layers[0])
+    n_gu, n_dn, n_cb = triton_moe.fused_items(t, 8, layers[0])
     traces = [torch.zeros(n_gu + n_dn + n_cb, 8, dtype=torch.int64, device="cuda")
               for _ in layers]
 

@@ -475,6 +475,17 @@ def fused_fits(t: int, top_k: int, experts: StackedExperts) -> bool:
             and experts.gu_split > 1 and experts.down_split > 1)
 
 
+FUSED_COMBINE_BLOCK = 256  # columns of a combine item
+
+
+def fused_items(t: int, top_k: int, experts: StackedExperts) -> tuple[int, int, int]:
+    """(gate_up, down, combine) work items of the fused launch for t tokens, in item order."""
+    tk, bn = t * top_k, experts.tile.bn
+    return (tk * triton.cdiv(2 * experts.inter, bn) * experts.gu_split,
+            tk * triton.cdiv(experts.hidden, bn) * experts.down_split,
+            t * triton.cdiv(experts.hidden, FUSED_COMBINE_BLOCK))
+
+
 def _fused(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, experts: StackedExperts,
            residual: torch.Tensor | None, trace: torch.Tensor | None = None) -> torch.Tensor:
     """The direct experts and the combine of `moe` in one launch (`_moe_fused_kernel`);
@@ -488,10 +499,8 @@ def _fused(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, experts: Stack
     gws = torch.empty(experts.gu_split, tk, 2 * experts.inter, dtype=torch.float32, device=dev)
     dws = torch.empty(experts.down_split, tk, experts.hidden, dtype=torch.float32, device=dev)
     res = residual if residual is not None else out
-    cb = 256
-    items = (tk * triton.cdiv(2 * experts.inter, tile.bn) * experts.gu_split
-             + tk * triton.cdiv(experts.hidden, tile.bn) * experts.down_split
-             + t * triton.cdiv(experts.hidden, cb))
+    cb = FUSED_COMBINE_BLOCK
+    items = sum(fused_items(t, top_k, experts))
     (gw, gs), (dw, ds) = experts.gu, experts.down
     args = (x, ids, wts, res, out, gw, gs, dw, ds, inter, y, gws, dws, experts.gu_tickets,
             experts.down_tickets, experts.sync, t, tk, experts.num_experts, experts.inter,
