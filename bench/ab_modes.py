@@ -30,6 +30,12 @@ def apply(mode: str) -> None:
         from kernels import cuda_q4  # ... its form: a ring of N blocks, or streamed
         cuda_q4.DEPTH = (int(re.search(r'cudad([0-9]+)', mode).group(1)) if 'cudad' in mode
                          else cuda_q4.STREAM)
+    if 'nocuda' in mode:  # q4 linears on the Triton tile at every row count (v16's engine)
+        from kernels import triton_linear
+        triton_linear.CUDA_MAX_ROWS = None
+    if 'nocta' in mode:  # cuda_q4's split programs with the ticket merge, not the CTA form
+        from kernels import cuda_q4
+        cuda_q4.CTA = False
     if re.search(r'csw[0-9]+', mode):  # q4 linears from N rows on cuda_q4's swapped form
         from kernels import triton_linear
         triton_linear.CUDA_SWAP_MIN_ROWS = int(re.search(r'csw([0-9]+)', mode).group(1))
@@ -59,6 +65,8 @@ def apply(mode: str) -> None:
         triton_moe.DOWN_MAXNREG = int(re.search(r'downnreg([0-9]+)', mode).group(1)) or None
     if re.search(r'mp[0-9]+', mode):  # q4 weights split for this many programs at M = 1
         q4_layout.MAX_PROGRAMS = int(re.search(r'mp([0-9]+)', mode).group(1))
+    if re.search(r'maxsplit[0-9]+', mode):  # ... into at most N splits (16)
+        q4_layout.MAX_SPLIT = int(re.search(r'maxsplit([0-9]+)', mode).group(1))
     if re.search(r'attnsplit[0-9]+', mode):  # keys per split of the paged attention (512; other bits)
         from kernels import triton_attention
         from replica import memory  # (its estimate of the graphs' attention partials)

@@ -40,6 +40,9 @@ def _row(kernel, shape, m, mode, ms, nbytes, flops, copy_gbs, same) -> dict:
 
 # (columns a warp, blocks in flight) of the CUDA split programs timed with --cuda
 CUDA_VARIANTS = ((16, 8), (32, 4), (16, cuda_q4.STREAM))
+# (columns a warp, blocks in flight) of the CUDA CTA form (a CTA a column tile's splits) timed
+# with --cuda up to 16 rows
+CTA_VARIANTS = ((16, 8), (8, 8), (16, 4), (32, 4))
 # (m16 feature tiles a warp, warps a CTA) of the CUDA swapped form timed with --cuda from 9 rows
 SWAP_VARIANTS = ((1, 4), (2, 4), (1, 8), (2, 8))
 
@@ -85,6 +88,9 @@ def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles, weights=("qkv", "
             if cuda:  # the split programs in CUDA C++ (kernels/cuda_q4.py, an experiment)
                 modes += [(f"cuda split {c}c {'stream' if d == cuda_q4.STREAM else f'd{d}'}",
                            dict(cu=1, cols=c, depth=d)) for c, d in CUDA_VARIANTS if n % c == 0]
+                if m <= 16 and lin.split <= cuda_q4.CTA_MAX_SPLIT:  # the splits in one CTA
+                    modes += [(f"cuda cta {c}c d{d}", dict(cu=1, cols=c, depth=d, cta=True))
+                              for c, d in CTA_VARIANTS if n % c == 0]
                 if m > 8:  # the weights as the MMA's A operand, x through shared memory
                     modes += [(f"cuda swap mt{mt} w{w}", dict(cu=2, mt=mt, warps=w))
                               for mt, w in SWAP_VARIANTS if n % (16 * mt * w) == 0]
@@ -197,8 +203,13 @@ def main() -> None:
                     help="also the split programs in CUDA C++ (kernels/cuda_q4.py)")
     ap.add_argument("--cold", type=int, default=0,
                     help="linear: time over this many copies of each weight (none in L2)")
+    ap.add_argument("--max-programs", type=int, default=None,
+                    help="linear: weights split for this many programs (q4_layout.MAX_PROGRAMS; "
+                         "other bits, for every path alike)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.max_programs:
+        q4_layout.MAX_PROGRAMS = args.max_programs
     copy_gbs = copy_bandwidth()
     print(f"device copy: {copy_gbs:.0f} GB/s (read + write)", flush=True)
     # a tile may end in rN: the expert kernels' register cap for it (seq; e.g. 16x64x64w1s2r80)

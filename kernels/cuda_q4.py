@@ -1,8 +1,9 @@
-"""The q4 GEMM's split programs as a CUDA kernel (an experiment: not on the engine's path).
+"""The q4 GEMM's split programs as CUDA kernels; the engine's path for qkv and o at 1-8 rows
+(`triton_linear.CUDA_MAX_ROWS`) in the CTA form, where NVRTC and the CUDA headers are found.
 
 Triton cannot express the schedule the q4 GEMM at 1-16 rows wants (GPU_NOTES v14), so this is
 the decode tile (kernels/triton_q4.py, LINEAR_TILE with parallel K splits) written in CUDA C++
-with the same arithmetic, to be measured against it:
+with the same arithmetic:
 
 - x rounded to fp16 (round to nearest even), the weights `q * s + m` as one fp16 FMA
   (`__hfma2`, the HFMA2 Triton emits), the nibbles unpacked by the same PRMT/LOP3 sequence;
@@ -20,6 +21,12 @@ either through a ring of `depth` register slots (loads of weights and x that man
 of the MMAs) or (STREAM) with the warp's whole split streamed into shared memory by cp.async
 first. Its own ticket counters (one a row tile and column tile) sit beside the weight.
 
+The CTA form (`CTA`, on by default; `q4_cta`): a CTA takes one column tile's S splits, a warp
+each, and sums their partials in split order 0..S-1 through shared memory — no ticket, no
+partials in global memory, so no global round trip between a split's end and the merge. Same
+arithmetic, same order: the decode tile's bits (tests on the H100, S = 1-8, 1-40 rows). H100,
+cold weights, 1 row: qkv 11.1 → 7.7 µs, o 8.1 → 5.8 µs against the Triton tile (GPU_NOTES v17).
+
 A second form (`swap_linear`, `q4_swap`) swaps the MMA's operands for 9-255 rows: the weights
 as A (a warp's 16 or 32 features, each weight dequantized once), x as B for all of the CTA's
 16-64 tokens, from shared memory (a 4-stage cp.async ring of x and the weight bytes, x rounded
@@ -31,10 +38,9 @@ none is faster where the engine needs it: at 1-8 rows of qkv and o the chain of 
 and the split merge set the time (not the bytes in flight); 32 columns a warp beat the Triton
 tile on the lm_head (82.5% against 77% of copy); the swapped form loses 1.3-2.8x at 16-128
 rows of qkv and o (a reading, not measured: each CTA stages its split's whole x, 42 MB of L2
-reads for qkv at 64 rows) and wins only on the lm_head (16 rows: 86 against 102 µs). So it
-stays an experiment: `triton_linear.CUDA_MAX_ROWS` / `CUDA_SWAP_MIN_ROWS` route rows to it
-(off), and PROBES time the split programs' parts (loads alone, no merge, two accumulator
-chains).
+reads for qkv at 64 rows) and wins only on the lm_head (16 rows: 86 against 102 µs). Those stay
+experiments (`CTA` off, `triton_linear.CUDA_SWAP_MIN_ROWS`); PROBES time the split programs'
+parts (loads alone, no merge, two accumulator chains).
 
 Built at run time: NVRTC (found in the nvidia wheels beside torch, or pip's
 nvidia-cuda-nvrtc-cu12) compiles the source to PTX for the device's compute capability, and
@@ -48,6 +54,7 @@ import functools
 import glob
 import os
 import site
+import warnings
 import weakref
 
 import torch
@@ -518,6 +525,51 @@ __device__ __forceinline__ void q4_swap(const float* __restrict__ x, const unsig
       }
 }
 
+// ---- the CTA form: a CTA one (row tile, column tile), warp w its split w (S warps), each
+// warp's split run as q4_split runs it (the register ring), then the S partials summed in split
+// order 0..S-1 through shared memory (no ticket, no partials in global memory) and the residual
+// added: q4_split's arithmetic in q4_split's order, so its bits. grid (N / (8 NT), 1,
+// cdiv(M, 16)); block 32 S; dynamic shared memory S x 16 x 8 NT floats.
+template <bool ROWS16, int NT, int D>
+__device__ __forceinline__ void q4_cta(const float* __restrict__ x, const unsigned char* __restrict__ qs,
+                                       const unsigned* __restrict__ sm, const float* __restrict__ res,
+                                       float* __restrict__ y, int M, int N, int K, int stride_x,
+                                       int stride_res, int stride_y, int S, int has_res) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  constexpr int C = 8 * NT;
+  float* part = reinterpret_cast<float*>(smem);  // [S][16][C]
+  const int lane = threadIdx.x & 31, c = lane & 3, g = lane >> 2, sp = threadIdx.x >> 5;
+  const int n0 = blockIdx.x * C, m0 = blockIdx.z * 16;
+  const int per = ((K / 64 + S - 1) / S) * 64;
+  const int k_lo = sp * per, k_hi = min(k_lo + per, K);
+  const int r0 = m0 + g, r1 = m0 + g + 8;
+  const bool v0 = r0 < M, v1 = r1 < M;
+  const float* x0 = x + (long)(v0 ? r0 : 0) * stride_x;
+  const float* x1 = x + (long)(v1 ? r1 : 0) * stride_x;
+  const unsigned sel = (c & 1) ? 0x7362u : 0x5140u;
+  const int word = (c >> 1) * 4;
+  float acc[NT][4];
+#pragma unroll
+  for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  ring_acc<ROWS16, NT, D>(acc, qs, sm, x0, x1, v0, v1, N, k_lo, k_hi, n0, g, c, word, sel);
+  float* mine = part + sp * 16 * C;
+#pragma unroll
+  for (int i = 0; i < NT; ++i) {
+    const int cc = 8 * i + 2 * c;
+    *reinterpret_cast<float2*>(mine + g * C + cc) = make_float2(acc[i][0], acc[i][1]);
+    *reinterpret_cast<float2*>(mine + (g + 8) * C + cc) = make_float2(acc[i][2], acc[i][3]);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < 16 * C; e += blockDim.x) {
+    const int r = m0 + e / C;
+    if (r >= M) continue;
+    float v = part[e];
+    for (int q = 1; q < S; ++q) v = v + part[q * 16 * C + e];  // split order 0..S-1
+    const long cc = n0 + e % C;
+    y[(long)r * stride_y + cc] = has_res ? res[(long)r * stride_res + cc] + v : v;
+  }
+}
+
 #define Q4_ARGS const float* __restrict__ x, const unsigned char* __restrict__ qs, \
     const unsigned* __restrict__ sm, const float* __restrict__ res, float* __restrict__ y, \
     float* __restrict__ ws, int* __restrict__ tickets, int M, int N, int K, int stride_x, \
@@ -537,6 +589,14 @@ extern "C" __global__ void q4_probe3(Q4_ARGS) { q4_split<false, 2, 0, 3>(Q4_PASS
 // the swapped form (q4_swap): entries q4_swap{MT}_{NG}_w{W}
 #define Q4_SWAP(MT, NG, W) extern "C" __global__ void __launch_bounds__(32 * W, 1) \
     q4_swap##MT##_##NG##_w##W(Q4_ARGS) { q4_swap<MT, NG, W>(Q4_PASS); }
+// the CTA form (q4_cta): entries q4_cta{ROWS}_{NT}_d{D}; up to 8 splits, 256 threads a CTA (at
+// 512 the 128-register cap spills the 16-column rings)
+#define Q4_CTA(ROWS, NT, D) extern "C" __global__ void __launch_bounds__(256, 1) \
+    q4_cta##ROWS##_##NT##_d##D(Q4_ARGS) { \
+    q4_cta<ROWS == 16, NT, D>(x, qs, sm, res, y, M, N, K, stride_x, stride_res, stride_y, S, has_res); }
+Q4_CTA(8, 1, 2) Q4_CTA(8, 1, 4) Q4_CTA(8, 1, 8) Q4_CTA(8, 2, 2) Q4_CTA(8, 2, 4) Q4_CTA(8, 2, 8)
+Q4_CTA(8, 4, 2) Q4_CTA(8, 4, 4) Q4_CTA(16, 1, 2) Q4_CTA(16, 1, 4) Q4_CTA(16, 2, 2)
+Q4_CTA(16, 2, 4) Q4_CTA(16, 4, 2) Q4_CTA(16, 4, 4)
 // depth 0: the split streamed whole into shared memory (stream_acc)
 Q4_ENTRY(8, 1, 0) Q4_ENTRY(8, 2, 0) Q4_ENTRY(8, 4, 0) Q4_ENTRY(16, 1, 0) Q4_ENTRY(16, 2, 0) Q4_ENTRY(16, 4, 0)
 """
@@ -595,10 +655,17 @@ ENTRIES = tuple(f"q4_split{rows}_{cols // 8}_d{d}".encode()
                 for rows in (8, 16) for cols in (8, 16, 32) for d in (0, 2, 4, 8)
                 if cols * d <= 128 and (d < 8 or rows == 8))
 ENTRIES += tuple(f"q4_swap{mt}_{ng}_w{w}".encode() for mt, ng, w in SWAP_FORMS)
+ENTRIES += tuple(f"q4_cta{rows}_{cols // 8}_d{d}".encode()
+                 for rows in (8, 16) for cols in (8, 16, 32) for d in (2, 4, 8)
+                 if cols * d <= 128 and (d < 8 or rows == 8))
 STREAM = 0  # the depth that names the other form: the warp's split streamed into shared memory
 PROBES = (b"q4_probe1", b"q4_probe2", b"q4_probe3")  # bench only: 16 columns, <= 8 rows, streamed
 COLS = 16  # columns a warp by default (the fastest at 1-8 rows of qkv, GPU_NOTES v15)
 DEPTH = 8  # blocks a warp keeps in flight (register ring slots), or STREAM
+# the CTA form (q4_cta: a CTA's warps run a column tile's splits, merged in shared memory)
+# instead of split programs with a ticket merge in global memory, where the weight is split
+CTA = True
+CTA_MAX_SPLIT = 8  # its warps a CTA: 256 threads (the entries' launch bounds)
 SWAP_MT = 2  # the swapped form: m16 feature tiles a warp
 SWAP_WARPS = 4  # ... and warps a CTA
 _BIG_SMEM: set = set()  # kernels given more than 48 KB of dynamic shared memory
@@ -623,6 +690,36 @@ def _functions(device: int) -> tuple[ctypes.CDLL, dict]:
     return cuda, fns
 
 
+_UNAVAILABLE: dict = {}  # device → why the kernels could not be built or loaded there
+
+
+def available(device: int) -> bool:
+    """Whether the kernels load on `device` (NVRTC, the CUDA headers and the driver): tried
+    once a device; where not, one warning says why and the callers keep to Triton."""
+    if device in _UNAVAILABLE:
+        return False
+    try:
+        _functions(device)
+    except (RuntimeError, OSError) as e:
+        _UNAVAILABLE[device] = str(e)
+        warnings.warn(f"cuda_q4 unavailable on cuda:{device} ({e}); the Triton q4 tile runs "
+                      "instead (the same bits)", RuntimeWarning, stacklevel=2)
+        return False
+    return True
+
+
+def fits(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
+         residual: torch.Tensor | None = None) -> bool:
+    """Whether `linear` takes these operands at the defaults (COLS, DEPTH, CTA) and its
+    kernels load on x's device."""
+    ok = (lin.out_features % COLS == 0 and lin.in_features % 64 == 0 and LINEAR_TILE.bk == 64
+          and COLS * max(DEPTH, 1) <= 128)
+    for t in (x, out) + ((residual,) if residual is not None else ()):
+        ok = ok and t.is_cuda and t.dtype == torch.float32 and t.stride(1) == 1 \
+            and t.stride(0) % 2 == 0
+    return ok and available(x.device.index or 0)
+
+
 def _tickets(lin: Q4Linear, cols: int) -> torch.Tensor:
     """The ticket counters of lin's split programs for column tiles of `cols` (zero between
     launches: the last program of a tile resets its own), one a (row tile of 16 or more rows,
@@ -636,15 +733,21 @@ def _tickets(lin: Q4Linear, cols: int) -> torch.Tensor:
 
 def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
            residual: torch.Tensor | None = None, cols: int | None = None, warps: int = 1,
-           depth: int | None = None, probe: bytes | None = None) -> torch.Tensor:
+           depth: int | None = None, probe: bytes | None = None,
+           cta: bool | None = None) -> torch.Tensor:
     """out [n, N] = x @ W.T (+ residual), as kernels/triton_q4.py `linear` with LINEAR_TILE and
     parallel splits computes it; x [n, K] float32 contiguous rows, CUDA tensors; N a multiple
     of `cols` (8, 16 or 32 columns a warp; `warps` warps a CTA), K of 64; `depth` (2, 4 or 8)
     blocks of weights and x in flight a warp, STREAM: the warp's whole split streamed into
     shared memory at once.
-    probe: a PROBES kernel to launch instead (bench only: wrong values)."""
+    probe: a PROBES kernel to launch instead (bench only: wrong values). cta (default CTA):
+    the CTA form where it applies (a ring depth, ≤ CTA_MAX_SPLIT splits), a CTA the splits of
+    a column tile (`warps` ignored)."""
     n, big_n, k = x.shape[0], lin.out_features, lin.in_features
     cols, depth = cols or COLS, DEPTH if depth is None else depth
+    cta = CTA if cta is None else cta
+    if cta and probe is None and depth != STREAM and lin.split <= CTA_MAX_SPLIT:
+        return _cta_linear(lin, x, out, residual, cols, depth)
     _check(x, out, residual)
     if cols not in (8, 16, 32) or big_n % cols or k % 64 or LINEAR_TILE.bk != 64 \
             or depth not in (STREAM, 2, 4, 8) or cols * depth > 128:
@@ -673,6 +776,29 @@ def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
         _launch(cuda, fn, grid, warps * 32, smem, (xs, lin.qs, sm, res, ys, ws, tickets),
                 (r1 - r0, big_n, k, xs.stride(0), res.stride(0), ys.stride(0), lin.split,
                  int(residual is not None)))
+    return out
+
+
+def _cta_linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
+                residual: torch.Tensor | None, cols: int, depth: int) -> torch.Tensor:
+    """`linear` in the CTA form (q4_cta)."""
+    n, big_n, k = x.shape[0], lin.out_features, lin.in_features
+    _check(x, out, residual)
+    if cols not in (8, 16, 32) or big_n % cols or k % 64 or LINEAR_TILE.bk != 64 \
+            or depth not in (2, 4, 8) or cols * depth > 128 or lin.split > CTA_MAX_SPLIT:
+        raise ValueError("cuda_q4: the CTA form needs cols 8, 16 or 32 dividing N, K a multiple "
+                         f"of 64, depth 2, 4 or 8 (cols x depth ≤ 128), ≤ {CTA_MAX_SPLIT} splits")
+    blocks = -(-k // 64 // lin.split) * 2
+    cuda, fns = _functions(x.device.index or 0)
+    sm = lin.sm.view(torch.int32)
+    while blocks % depth or (depth == 8 and n > 8):  # whole rounds; 16-row tiles ≤ 4
+        depth //= 2
+    res = residual if residual is not None else out
+    fn = fns[f"q4_cta{16 if n > 8 else 8}_{cols // 8}_d{depth}".encode()]
+    _launch(cuda, fn, (big_n // cols, 1, -(-n // 16)), 32 * lin.split, lin.split * 16 * cols * 4,
+            (x, lin.qs, sm, res, out, out, sm),
+            (n, big_n, k, x.stride(0), res.stride(0), out.stride(0), lin.split,
+             int(residual is not None)))
     return out
 
 

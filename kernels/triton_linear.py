@@ -31,10 +31,13 @@ from kernels.triton_pdl import pdl_wait
 
 FMT_F32, FMT_Q4, FMT_Q8 = 0, 1, 2
 FMT_CODES = {"f32": FMT_F32, "q4": FMT_Q4, "q8": FMT_Q8}
-# q4 calls of up to this many rows on the CUDA C++ split programs (kernels/cuda_q4.py, the
-# decode tile's bits), for weights of SWAP_MAX_N to CUDA_MAX_N outputs: an experiment
-# (bench/ab_modes.py `cudaN`), off by default
-CUDA_MAX_ROWS: int | None = None
+# q4 calls of up to this many rows on kernels/cuda_q4.py (the decode tile's bits; its CTA form
+# by default: a CTA a column tile's K splits, merged in shared memory), for weights of
+# SWAP_MAX_N to CUDA_MAX_N outputs (qkv, o) whose shape it takes, where NVRTC and the CUDA
+# headers are installed (else the Triton tile, the same bits). H100, context 128, 1 / 8
+# streams: 319.7 / 1,382.3 → 360.5 / 1,420.9 tok/s (GPU step 3.050 → 2.703 ms); context 2,048
+# 273.7 / 1,183.6 → 293.2 / 1,214.2 (GPU_NOTES v17). None: off (bench/ab_modes.py `cudaN`)
+CUDA_MAX_ROWS: int | None = 8
 CUDA_MAX_N = 16384
 # q4 calls of this many rows or more (below the dense path's) on cuda_q4's swapped form (the
 # weights as the MMA's A operand, each dequantized once for all rows), for weights of
@@ -225,7 +228,8 @@ def linear(lin: Linear, x: torch.Tensor, out: torch.Tensor | None = None,
         if (tile is None and CUDA_MAX_ROWS and n <= CUDA_MAX_ROWS and x.is_cuda
                 and q4_layout.SWAP_MAX_N <= lin.out_features <= CUDA_MAX_N):
             from kernels import cuda_q4
-            return cuda_q4.linear(lin, x, out, residual)
+            if cuda_q4.fits(lin, x, out, residual):
+                return cuda_q4.linear(lin, x, out, residual)
         if (tile is None and CUDA_SWAP_MIN_ROWS and n >= CUDA_SWAP_MIN_ROWS and x.is_cuda
                 and lin.out_features >= q4_layout.SWAP_MAX_N):
             from kernels import cuda_q4

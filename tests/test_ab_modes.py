@@ -11,7 +11,8 @@ import pytest
 
 def _knobs(mode: str, expr: str) -> list[str]:
     code = (f"from bench.ab_modes import apply\napply({mode!r})\n"
-            "from kernels import cuda_q4, moe_layout, triton_attention, triton_linear, triton_moe\n"
+            "from kernels import cuda_q4, moe_layout, q4_layout, triton_attention, triton_linear, "
+            "triton_moe\n"
             "from replica import memory\n"
             f"print({expr})")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -19,12 +20,12 @@ def _knobs(mode: str, expr: str) -> list[str]:
     return out.stdout.split()
 
 
-@pytest.mark.parametrize("mode,want", [("pdl", "None 16384 16 8"),
-                                       ("pdl_cuda8_cudacols32_cudastream_cudan200000", "8 200000 32 0"),
-                                       ("pdl_cuda8_cudacols8_cudad4", "8 16384 8 4")])
+@pytest.mark.parametrize("mode,want", [("pdl", "8 16384 16 8 True"),
+                                       ("pdl_cuda16_cudacols32_cudastream_cudan200000", "16 200000 32 0 True"),
+                                       ("pdl_nocuda_cudacols8_cudad4_nocta", "None 16384 8 4 False")])
 def test_the_cuda_modes_route_rows_to_the_cuda_kernel(mode, want):
     assert _knobs(mode, "triton_linear.CUDA_MAX_ROWS, triton_linear.CUDA_MAX_N, cuda_q4.COLS, "
-                        "cuda_q4.DEPTH") == want.split()
+                        "cuda_q4.DEPTH, cuda_q4.CTA") == want.split()
 
 
 @pytest.mark.parametrize("mode,want", [("pdl", "None 2 4"), ("pdl_csw16_cswmt1_csww8", "16 1 8"),
@@ -53,3 +54,8 @@ def test_the_expert_modes_set_the_stacking_tile_and_the_register_cap(mode, want)
                                        ("pdl_eprefetch2", "2 False")])
 def test_the_direct_expert_modes_set_the_prefetch_and_the_fused_launch(mode, want):
     assert _knobs(mode, "triton_moe.PREFETCH_BLOCKS, triton_moe.FUSED") == want.split()
+
+
+@pytest.mark.parametrize("mode,want", [("pdl", "256 16"), ("pdl_mp1024_maxsplit8", "1024 8")])
+def test_the_split_modes_set_the_programs_and_the_split_cap(mode, want):
+    assert _knobs(mode, "q4_layout.MAX_PROGRAMS, q4_layout.MAX_SPLIT") == want.split()

@@ -47,6 +47,29 @@ def test_the_cuda_q4_linear_refuses_what_its_kernel_cannot_take():
         cuda_q4.swap_linear(lin, torch.randn(16, 96), torch.empty(16, 64))
 
 
+def test_the_engine_keeps_to_triton_where_the_cuda_kernels_cannot_run(monkeypatch):
+    """fits: CPU tensors, shapes the kernels do not take and devices where NVRTC or the
+    headers are missing go to the Triton tile (one warning a device, then silence)."""
+    from kernels import q4_layout
+    from kernels.linear import quantize_q4
+
+    lin = q4_layout.repack(quantize_q4(torch.randn(64, 128, generator=torch.Generator().manual_seed(0))))
+    assert not cuda_q4.fits(lin, torch.randn(2, 128), torch.empty(2, 64))  # not CUDA
+    calls = []
+
+    def broken(device):
+        calls.append(device)
+        raise RuntimeError("cuda_q4: NVRTC not found")
+
+    monkeypatch.setattr(cuda_q4, "_functions", broken)
+    monkeypatch.setattr(cuda_q4, "_UNAVAILABLE", {})
+    with pytest.warns(RuntimeWarning, match="NVRTC not found"):
+        assert not cuda_q4.available(7)
+    assert not cuda_q4.available(7) and calls == [7]  # tried once
+    monkeypatch.setattr(cuda_q4, "_functions", lambda device: None)
+    assert cuda_q4.available(3)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("n,k", [(5120, 2048), (2048, 4096), (128, 2048), (151936 // 8, 2048)])
 def test_the_cuda_q4_kernel_gives_the_decode_tile_bits(n, k):
@@ -74,6 +97,34 @@ def test_the_cuda_q4_kernel_gives_the_decode_tile_bits(n, k):
                                 tile=q4_layout.LINEAR_TILE, seq=False)
         assert torch.equal(got, want), m
     assert lin.split == 1 or not any(t.any() for t in cuda_q4._TICKETS[lin].values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n,k,programs", [(5120, 2048, 256), (5120, 2048, 1024), (2048, 4096, 256),
+                                          (128 * 37, 2048, 512), (128, 2048, 16)])
+def test_the_cta_form_gives_the_decode_tile_bits(n, k, programs):
+    """q4_cta (a CTA a column tile's splits, merged in shared memory): the split programs'
+    bits at 1-40 rows (one and several row tiles), with and without the residual, for split
+    counts of 1-8 (the weights re-split for `programs`)."""
+    from bench.kernel_bench import rand_q4
+    from kernels import q4_layout, triton_q4
+
+    g = torch.Generator("cuda").manual_seed(n + k + programs)
+    lin = q4_layout.repack(rand_q4(n, k, g), q4_layout.LINEAR_TILE, programs)
+    assert 1 <= lin.split <= cuda_q4.CTA_MAX_SPLIT
+    nan = lambda m: torch.full((m, n), float("nan"), device="cuda")  # noqa: E731
+    for m in (1, 5, 8, 9, 16, 40):
+        x = torch.randn(m, k, generator=g, device="cuda")
+        res = torch.randn(m, n, generator=g, device="cuda")
+        want = triton_q4.linear(lin, x, nan(m), res, tile=q4_layout.LINEAR_TILE, seq=False)
+        bare = triton_q4.linear(lin, x, nan(m), tile=q4_layout.LINEAR_TILE, seq=False)
+        for cols, depth in ((8, 8), (16, 8), (16, 4), (32, 4), (8, 2)):
+            if n % cols:
+                continue
+            got = cuda_q4.linear(lin, x, nan(m), res, cols=cols, depth=depth, cta=True)
+            assert torch.equal(got, want), (m, cols, depth, lin.split, float((got - want).abs().max()))
+            got = cuda_q4.linear(lin, x, nan(m), cols=cols, depth=depth, cta=True)
+            assert torch.equal(got, bare), (m, cols, depth, lin.split)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -108,13 +159,17 @@ def test_the_swapped_form_gives_the_decode_tile_bits(n, k):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("knobs,n,k,rows", [
-    ((("triton_linear", "CUDA_MAX_ROWS", 8), ("cuda_q4", "DEPTH", 8)), 2048, 4096, (1, 3, 8)),
+    ((("triton_linear", "CUDA_MAX_ROWS", 8), ("cuda_q4", "DEPTH", 8), ("cuda_q4", "CTA", False)),
+     2048, 4096, (1, 3, 8)),
     ((("triton_linear", "CUDA_MAX_ROWS", 8), ("cuda_q4", "DEPTH", cuda_q4.STREAM)), 2048, 4096,
      (1, 3, 8)),
-    ((("triton_linear", "CUDA_SWAP_MIN_ROWS", 9),), 5120, 2048, (1, 8, 9, 33, 64, 200))])
+    ((("triton_linear", "CUDA_SWAP_MIN_ROWS", 9),), 5120, 2048, (1, 8, 9, 33, 64, 200)),
+    ((("triton_linear", "CUDA_MAX_ROWS", 8), ("cuda_q4", "CTA", True)), 5120, 2048, (1, 4, 8, 9)),
+    ((("triton_linear", "CUDA_MAX_ROWS", 8), ("cuda_q4", "CTA", True)), 2048, 4096, (1, 8, 30))])
 def test_the_linear_routed_to_a_cuda_form_keeps_its_bits(monkeypatch, knobs, n, k, rows):
-    """triton_linear.linear with rows routed to the ring, the streamed or the swapped form:
-    the bits of the Triton path (rows outside the routed range stay on it)."""
+    """triton_linear.linear with rows routed to the ring, the streamed, the CTA (the default)
+    or the swapped form: the bits of the Triton path (rows outside the routed range stay on
+    it)."""
     from bench.kernel_bench import rand_q4
     from kernels import q4_layout, triton_linear
 
@@ -122,6 +177,7 @@ def test_the_linear_routed_to_a_cuda_form_keeps_its_bits(monkeypatch, knobs, n, 
     lin = q4_layout.repack(rand_q4(n, k, g))
     x = torch.randn(max(rows), k, generator=g, device="cuda")
     res = torch.randn(max(rows), n, generator=g, device="cuda")
+    monkeypatch.setattr(triton_linear, "CUDA_MAX_ROWS", None)  # the Triton tile's bits
     want = triton_linear.linear(lin, x, residual=res)
     for module, name, value in knobs:
         monkeypatch.setattr({"triton_linear": triton_linear, "cuda_q4": cuda_q4}[module], name, value)
