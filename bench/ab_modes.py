@@ -17,9 +17,9 @@ def apply(mode: str) -> None:
         q4_layout.SWAP_MIN_ROWS = int(re.search(r'swap([0-9]+)', mode).group(1))
     if re.search(r'swapn[0-9]+', mode):  # ... for weights with fewer than N outputs
         q4_layout.SWAP_MAX_N = int(re.search(r'swapn([0-9]+)', mode).group(1))
-    if re.search(r'cuda[0-9]+', mode):  # q4 linears of up to N rows on kernels/cuda_q4.py
+    if re.search(r'(?<!e)cuda[0-9]+', mode):  # q4 linears of up to N rows on kernels/cuda_q4.py
         from kernels import triton_linear
-        triton_linear.CUDA_MAX_ROWS = int(re.search(r'cuda([0-9]+)', mode).group(1))
+        triton_linear.CUDA_MAX_ROWS = int(re.search(r'(?<!e)cuda([0-9]+)', mode).group(1))
     if re.search(r'cudan[0-9]+', mode):  # ... for weights of up to N outputs
         from kernels import triton_linear
         triton_linear.CUDA_MAX_N = int(re.search(r'cudan([0-9]+)', mode).group(1))
@@ -33,6 +33,14 @@ def apply(mode: str) -> None:
     if 'nocuda' in mode:  # q4 linears on the Triton tile at every row count (v16's engine)
         from kernels import triton_linear
         triton_linear.CUDA_MAX_ROWS = None
+    if re.search(r'ecuda[0-9]+', mode):  # direct experts of up to N tokens on cuda_q4's CTA form
+        triton_moe.CUDA_MAX_TOKENS = int(re.search(r'ecuda([0-9]+)', mode).group(1))
+    if re.search(r'ecols[0-9]+', mode):  # ... its columns a warp
+        from kernels import cuda_q4
+        cuda_q4.EXPERT_COLS = int(re.search(r'ecols([0-9]+)', mode).group(1))
+    if re.search(r'edepth[0-9]+', mode):  # ... its blocks in flight
+        from kernels import cuda_q4
+        cuda_q4.EXPERT_DEPTH = int(re.search(r'edepth([0-9]+)', mode).group(1))
     if 'nocta' in mode:  # cuda_q4's split programs with the ticket merge, not the CTA form
         from kernels import cuda_q4
         cuda_q4.CTA = False

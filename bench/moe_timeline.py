@@ -1,5 +1,6 @@
 """The direct MoE layer at 1-7 tokens, three kernels against one fused launch
-(`triton_moe.FUSED`), on the GPU: the layer's time in a CUDA graph of LAYERS layers (distinct
+(`triton_moe.FUSED`) and against the CUDA CTA form of the experts (`triton_moe.CUDA_MAX_TOKENS`),
+on the GPU: the layer's time in a CUDA graph of LAYERS layers (distinct
 weights, more bytes than L2 holds; routing included, and timed alone), then the fused launch's
 per-item timeline (`_moe_fused_kernel` TRACE): when items are claimed, when their inputs are
 ready, when they end, by phase (gate_up, down, combine), relative to the launch's first entry.
@@ -36,15 +37,16 @@ def time_layers(router, layers, t: int, g) -> dict:
     res = torch.randn_like(x)
     out = {"route": time_ms(lambda: [triton_moe_route.route(x, router, 8, True, ids, wts)
                                      for _ in layers], reps=4) / len(layers)}
-    saved = triton_moe.FUSED, triton_moe.FUSED_STATIC
-    for name, fused, static in (("3 kernels", False, False), ("fused claimed", True, False),
-                                ("fused static", True, True)):
-        triton_moe.FUSED, triton_moe.FUSED_STATIC = fused, static
+    saved = triton_moe.FUSED, triton_moe.FUSED_STATIC, triton_moe.CUDA_MAX_TOKENS
+    for name, knobs in (("3 kernels", (False, False, None)), ("fused claimed", (True, False, None)),
+                        ("fused static", (True, True, None)),
+                        ("CUDA CTA experts + combine", (False, False, 8))):
+        triton_moe.FUSED, triton_moe.FUSED_STATIC, triton_moe.CUDA_MAX_TOKENS = knobs
         try:
             out[name] = time_ms(lambda: [triton_moe.moe(x, router, st, 8, True, res)
                                          for st in layers], reps=4) / len(layers)
         finally:
-            triton_moe.FUSED, triton_moe.FUSED_STATIC = saved
+            triton_moe.FUSED, triton_moe.FUSED_STATIC, triton_moe.CUDA_MAX_TOKENS = saved
     return out
 
 

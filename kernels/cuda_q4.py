@@ -118,6 +118,23 @@ __device__ __forceinline__ void load_x(const float* x0, const float* x1, bool v0
   }
 }
 
+// load_x for fp16 x (the MoE's intermediate): the same pairs, widened exactly to fp32 (x_frag
+// rounds them back to the same fp16 values)
+template <bool ROWS16>
+__device__ __forceinline__ void load_x(const __half* x0, const __half* x1, bool v0, bool v1,
+                                       int kb, int c, float2 p[ROWS16 ? 8 : 4]) {
+#pragma unroll
+  for (int h = 0; h < 4; ++h)
+    p[h] = v0 ? __half22float2(__ldg(reinterpret_cast<const __half2*>(x0 + kb + 2 * c + 8 * h)))
+              : make_float2(0.f, 0.f);
+  if (ROWS16) {
+#pragma unroll
+    for (int h = 0; h < 4; ++h)
+      p[4 + h] = v1 ? __half22float2(__ldg(reinterpret_cast<const __half2*>(x1 + kb + 2 * c + 8 * h)))
+                    : make_float2(0.f, 0.f);
+  }
+}
+
 // The A fragment of the k16 chunk `chunk` (0: k = kb..kb+15, 1: kb+16..kb+31) from load_x's
 // pairs: rows r0 (a0a1, a4a5) and r0 + 8 (a2a3, a6a7), k = 2c, 2c+1 and 2c+8, 2c+9, rounded to
 // fp16 (nearest even); rows 8-15 are 0 unless ROWS16.
@@ -167,10 +184,10 @@ __device__ __forceinline__ void block_mma(float acc[NT][4], const float2* p, uns
 // acc += the split [k_lo, k_hi) of the 8 NT columns from n0, its blocks through a ring of D
 // register slots: D blocks' loads (weights and x) in flight ahead of the MMAs, which take the
 // blocks in ascending order. nb % D == 0 (the host picks D); the last round only computes.
-template <bool ROWS16, int NT, int D>
+template <bool ROWS16, int NT, int D, typename XT>
 __device__ __forceinline__ void ring_acc(float acc[NT][4], const unsigned char* __restrict__ qs,
-                                         const unsigned* __restrict__ sm, const float* x0,
-                                         const float* x1, bool v0, bool v1, int N, int k_lo,
+                                         const unsigned* __restrict__ sm, const XT* x0,
+                                         const XT* x1, bool v0, bool v1, int N, int k_lo,
                                          int k_hi, int n0, int g, int c, int word, unsigned sel) {
   unsigned w0[D][NT], w1[D][NT], wsm[D][NT];
   float2 xp[D][ROWS16 ? 8 : 4];
@@ -178,8 +195,8 @@ __device__ __forceinline__ void ring_acc(float acc[NT][4], const unsigned char* 
   const long wstep = (long)N * 16;  // bytes from a column's block to its next block
   const unsigned char* wb = qs + ((long)(k_lo >> 5) * N + n0 + g) * 16 + word;
   const unsigned* sb = sm + (long)(k_lo >> 5) * N + n0 + g;
-  const float* xa = x0 + k_lo;
-  const float* xb = x1 + k_lo;
+  const XT* xa = x0 + k_lo;
+  const XT* xb = x1 + k_lo;
 #pragma unroll
   for (int j = 0; j < D; ++j) {
     load_block<NT>(wb, sb, w0[j], w1[j], wsm[j]);
@@ -570,6 +587,85 @@ __device__ __forceinline__ void q4_cta(const float* __restrict__ x, const unsign
   }
 }
 
+// ---- the direct MoE experts in the CTA form (triton_moe's direct split programs, 1-8 tokens):
+// a CTA one assignment a (its token t = a / topk, its expert ids[a]) and one column tile of
+// 8 NT columns, warp w its K split w; the partials summed in split order through shared memory.
+// GATE_UP: x the token's fp32 row; the tile's columns interleave gate and up (stacking order),
+// so output j = column pair j: inter[a, j] = silu(gate) * up in fp16 through the PTX Triton
+// emits for `_silu_up_store` (0 - g, x log2 e, ex2.approx, + 1, div.full, x up, cvt.rn).
+// Else (down): x = inter[a] (fp16), y[a, n] = the sum. grid (N / (8 NT), T topk); block 32 S;
+// shared memory S x 8 NT floats.
+__device__ __forceinline__ float silu_mul(float g, float u) {
+  float r;
+  asm("{\n .reg .f32 t, e, d, q;\n sub.f32 t, 0f00000000, %1;\n mul.f32 t, t, 0f3FB8AA3B;\n"
+      " ex2.approx.f32 e, t;\n add.f32 d, e, 0f3F800000;\n div.full.f32 q, %1, d;\n"
+      " mul.f32 %0, q, %2;\n}" : "=f"(r) : "f"(g), "f"(u));
+  return r;
+}
+
+template <int NT, int D, bool GATE_UP>
+__device__ __forceinline__ void q4_expert_cta(const void* __restrict__ xv, const int* __restrict__ ids,
+                                              const unsigned char* __restrict__ qs,
+                                              const unsigned* __restrict__ sm, void* __restrict__ outv,
+                                              int N, int K, int stride_x, int stride_out, int S,
+                                              int topk) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  constexpr int C = 8 * NT;
+  float* part = reinterpret_cast<float*>(smem);  // [S][C]: row 0 of each split's partial
+  const int lane = threadIdx.x & 31, c = lane & 3, g = lane >> 2, sp = threadIdx.x >> 5;
+  const int a = blockIdx.y, n0 = blockIdx.x * C;
+  const long e = ids[a];
+  const unsigned char* qe = qs + e * ((long)(K >> 5) * N * 16);
+  const unsigned* se = sm + e * ((long)(K >> 5) * N);
+  const int per = ((K / 64 + S - 1) / S) * 64;
+  const int k_lo = sp * per, k_hi = min(k_lo + per, K);
+  const bool v0 = g == 0;  // one row: the assignment's
+  const unsigned sel = (c & 1) ? 0x7362u : 0x5140u;
+  const int word = (c >> 1) * 4;
+  float acc[NT][4];
+#pragma unroll
+  for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  if constexpr (GATE_UP) {
+    const float* x0 = reinterpret_cast<const float*>(xv) + (long)(a / topk) * stride_x;
+    ring_acc<false, NT, D>(acc, qe, se, x0, x0, v0, false, N, k_lo, k_hi, n0, g, c, word, sel);
+  } else {
+    const __half* x0 = reinterpret_cast<const __half*>(xv) + (long)a * stride_x;
+    ring_acc<false, NT, D>(acc, qe, se, x0, x0, v0, false, N, k_lo, k_hi, n0, g, c, word, sel);
+  }
+  if (g == 0) {
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+      *reinterpret_cast<float2*>(part + sp * C + 8 * i + 2 * c) = make_float2(acc[i][0], acc[i][1]);
+  }
+  __syncthreads();
+  if constexpr (GATE_UP) {
+    for (int j = threadIdx.x; j < C / 2; j += blockDim.x) {
+      float gt = part[2 * j], up = part[2 * j + 1];
+      for (int q = 1; q < S; ++q) {  // split order 0..S-1
+        gt = gt + part[q * C + 2 * j];
+        up = up + part[q * C + 2 * j + 1];
+      }
+      reinterpret_cast<__half*>(outv)[(long)a * stride_out + n0 / 2 + j] = __float2half_rn(silu_mul(gt, up));
+    }
+  } else {
+    for (int j = threadIdx.x; j < C; j += blockDim.x) {
+      float v = part[j];
+      for (int q = 1; q < S; ++q) v = v + part[q * C + j];
+      reinterpret_cast<float*>(outv)[(long)a * stride_out + n0 + j] = v;
+    }
+  }
+}
+
+#define Q4_EXPERT(KIND, GU, NT, D) extern "C" __global__ void __launch_bounds__(256, 1) \
+    q4_e##KIND##NT##_d##D(const void* x, const int* ids, const unsigned char* qs, \
+                          const unsigned* sm, void* out, int N, int K, int stride_x, \
+                          int stride_out, int S, int topk) { \
+    q4_expert_cta<NT, D, GU>(x, ids, qs, sm, out, N, K, stride_x, stride_out, S, topk); }
+#define Q4_EXPERTS(KIND, GU) Q4_EXPERT(KIND, GU, 1, 2) Q4_EXPERT(KIND, GU, 1, 4) \
+    Q4_EXPERT(KIND, GU, 1, 8) Q4_EXPERT(KIND, GU, 2, 2) Q4_EXPERT(KIND, GU, 2, 4) \
+    Q4_EXPERT(KIND, GU, 2, 8) Q4_EXPERT(KIND, GU, 4, 2) Q4_EXPERT(KIND, GU, 4, 4)
+Q4_EXPERTS(gu, true) Q4_EXPERTS(dn, false)
+
 #define Q4_ARGS const float* __restrict__ x, const unsigned char* __restrict__ qs, \
     const unsigned* __restrict__ sm, const float* __restrict__ res, float* __restrict__ y, \
     float* __restrict__ ws, int* __restrict__ tickets, int M, int N, int K, int stride_x, \
@@ -655,6 +751,8 @@ ENTRIES = tuple(f"q4_split{rows}_{cols // 8}_d{d}".encode()
                 for rows in (8, 16) for cols in (8, 16, 32) for d in (0, 2, 4, 8)
                 if cols * d <= 128 and (d < 8 or rows == 8))
 ENTRIES += tuple(f"q4_swap{mt}_{ng}_w{w}".encode() for mt, ng, w in SWAP_FORMS)
+ENTRIES += tuple(f"q4_e{kind}{cols // 8}_d{d}".encode() for kind in ("gu", "dn")
+                 for cols in (8, 16, 32) for d in (2, 4, 8) if cols * d <= 128)
 ENTRIES += tuple(f"q4_cta{rows}_{cols // 8}_d{d}".encode()
                  for rows in (8, 16) for cols in (8, 16, 32) for d in (2, 4, 8)
                  if cols * d <= 128 and (d < 8 or rows == 8))
@@ -668,6 +766,8 @@ CTA = True
 CTA_MAX_SPLIT = 8  # its warps a CTA: 256 threads (the entries' launch bounds)
 SWAP_MT = 2  # the swapped form: m16 feature tiles a warp
 SWAP_WARPS = 4  # ... and warps a CTA
+EXPERT_COLS = 16  # the direct experts' CTA form: columns a warp
+EXPERT_DEPTH = 4  # ... and blocks in flight (register ring slots; fewer where a split needs)
 _BIG_SMEM: set = set()  # kernels given more than 48 KB of dynamic shared memory
 _TICKETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Q4Linear → {key: tickets}
 
@@ -800,6 +900,49 @@ def _cta_linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
             (n, big_n, k, x.stride(0), res.stride(0), out.stride(0), lin.split,
              int(residual is not None)))
     return out
+
+
+def experts_fit(experts, x: torch.Tensor) -> bool:
+    """Whether `experts_direct` takes these stacked experts (kernels/moe_layout.py) and x at
+    EXPERT_COLS and its kernels load on x's device."""
+    if experts.fmt != "q4" or not x.is_cuda or x.dtype != torch.float32 or x.stride(1) != 1 \
+            or x.stride(0) % 2:
+        return False
+    i, h = experts.inter, experts.hidden
+    (gw, gs), (dw, ds) = experts.gu, experts.down
+    whole = all(t.is_contiguous() for t in (gw, gs, dw, ds))
+    return (whole and max(experts.gu_split, experts.down_split) <= CTA_MAX_SPLIT
+            and (2 * i) % EXPERT_COLS == 0 and h % EXPERT_COLS == 0 and h % 64 == 0
+            and i % 64 == 0 and LINEAR_TILE.bk == 64 and available(x.device.index or 0))
+
+
+def experts_direct(x: torch.Tensor, ids: torch.Tensor, experts, inter: torch.Tensor,
+                   y: torch.Tensor, cols: int | None = None, depth: int | None = None) -> None:
+    """triton_moe's direct q4 experts (a slot per assignment) in the CTA form (q4_expert_cta):
+    inter [T*k, I] fp16 = silu(x W_gate.T) * (x W_up.T), then y [T*k, hidden] = inter W_down.T,
+    each (assignment, column tile) a CTA of the weight's K splits, merged in split order —
+    the direct split programs' bits. x [T, hidden] fp32; ids [T, k] int32 contiguous."""
+    cols, depth = cols or EXPERT_COLS, depth or EXPERT_DEPTH
+    if cols not in (8, 16, 32) or depth not in (2, 4, 8) or cols * depth > 128:
+        raise ValueError("cuda_q4: expert cols 8, 16 or 32 and depth 2, 4 or 8 (cols x depth ≤ 128)")
+    if ids.dtype != torch.int32 or not ids.is_contiguous() or inter.dtype != torch.float16 \
+            or not inter.is_contiguous() or y.dtype != torch.float32 or not y.is_contiguous():
+        raise ValueError("cuda_q4: ids int32, inter fp16 and y fp32, all contiguous")
+    t, top_k = ids.shape
+    if t * top_k == 0:
+        return
+    i, h = experts.inter, experts.hidden
+    cuda, fns = _functions(x.device.index or 0)
+    (gw, gs), (dw, ds) = experts.gu, experts.down
+    for kind, src, w, s, dst, n, k, split in (("gu", x, gw, gs, inter, 2 * i, h, experts.gu_split),
+                                               ("dn", inter, dw, ds, y, h, i, experts.down_split)):
+        blocks = -(-k // 64 // split) * 2
+        d = depth
+        while blocks % d:
+            d //= 2
+        _launch(cuda, fns[f"q4_e{kind}{cols // 8}_d{d}".encode()], (n // cols, t * top_k, 1),
+                32 * split, split * cols * 4, (src, ids, w, s.view(torch.int32), dst),
+                (n, k, src.stride(0), dst.stride(0), split, top_k))
 
 
 def _check(x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None) -> None:

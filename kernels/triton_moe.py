@@ -92,6 +92,11 @@ FUSED = False
 # their last ending at 23 µs against 16) where the GPU holds all its programs at once (every
 # wait then ends; `blocks_per_sm`); else items are claimed
 FUSED_STATIC = True
+# up to this many (direct) tokens on CUDA the experts run kernels/cuda_q4.py's CTA form
+# (`experts_direct`: a CTA an assignment's column tile, its K splits a warp each, merged in
+# shared memory; the direct split programs' bits), where it loads. None: off (unmeasured;
+# bench/ab_modes.py `ecudaN`)
+CUDA_MAX_TOKENS: int | None = None
 # direct launches (up to DIRECT_MAX_TOKENS tokens) with PDL: before waiting on gate_up, each
 # down program prefetches into L2 the first this-many 32-blocks of its expert's weight range
 # (the expert read from the top-k ids, final by then: written two kernels back). A prefetch
@@ -592,6 +597,13 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
     from DENSE_MIN_TOKENS tokens), the same bits; `tile` and flat (the one-loop form), when
     given, replace both kernels' DENSE_GATE_UP / DENSE_DOWN (bench variants)."""
     t, top_k = ids.shape
+    if (CUDA_MAX_TOKENS and 0 < t <= min(CUDA_MAX_TOKENS, DIRECT_MAX_TOKENS) and tile is None
+            and seq is None and dense is None and t * top_k <= experts.num_experts and x.is_cuda
+            and inter.shape == (t * top_k, experts.inter) and y.shape == (t * top_k, experts.hidden)):
+        from kernels import cuda_q4
+        if cuda_q4.experts_fit(experts, x):  # the direct split programs' bits
+            cuda_q4.experts_direct(x, ids, experts, inter, y)
+            return
     if dense is None:
         dense = (experts.fmt == "q4" and x.device.type == "cuda" and DENSE_MIN_TOKENS is not None
                  and t >= DENSE_MIN_TOKENS and experts.hidden % DENSE_GATE_UP[0].bk == 0

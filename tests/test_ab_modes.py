@@ -59,3 +59,10 @@ def test_the_direct_expert_modes_set_the_prefetch_and_the_fused_launch(mode, wan
 @pytest.mark.parametrize("mode,want", [("pdl", "256 16"), ("pdl_mp1024_maxsplit8", "1024 8")])
 def test_the_split_modes_set_the_programs_and_the_split_cap(mode, want):
     assert _knobs(mode, "q4_layout.MAX_PROGRAMS, q4_layout.MAX_SPLIT") == want.split()
+
+
+@pytest.mark.parametrize("mode,want", [("pdl", "None 16 4 8"),
+                                       ("pdl_ecuda4_ecols32_edepth2", "4 32 2 8")])
+def test_the_expert_cuda_modes_set_their_knobs_and_leave_the_linear_alone(mode, want):
+    assert _knobs(mode, "triton_moe.CUDA_MAX_TOKENS, cuda_q4.EXPERT_COLS, cuda_q4.EXPERT_DEPTH, "
+                        "triton_linear.CUDA_MAX_ROWS") == want.split()

@@ -184,3 +184,41 @@ def test_the_linear_routed_to_a_cuda_form_keeps_its_bits(monkeypatch, knobs, n, 
     for m in rows:
         got = triton_linear.linear(lin, x[:m], residual=res[:m])
         assert torch.equal(got, want[:m]), (knobs, m)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("hidden,inter,experts", [(512, 256, 64), (2048, 768, 128)])
+def test_the_direct_experts_in_the_cta_form_give_the_split_programs_bits(monkeypatch, hidden, inter,
+                                                                          experts):
+    """cuda_q4.experts_direct (triton_moe.CUDA_MAX_TOKENS): inter (SiLU·up in fp16, through
+    Triton's own PTX for it) and y equal to the direct split programs' at 1-8 tokens, at
+    several columns a warp and ring depths, split counts 4-8."""
+    from bench.kernel_bench import rand_q4
+    from kernels import moe_layout, triton_moe
+
+    g = torch.Generator("cuda").manual_seed(hidden + experts)
+    st = moe_layout.StackedExperts.stack(
+        tuple((rand_q4(2 * inter, hidden, g), rand_q4(hidden, inter, g)) for _ in range(experts)))
+    assert 1 < st.gu_split <= cuda_q4.CTA_MAX_SPLIT and 1 < st.down_split <= cuda_q4.CTA_MAX_SPLIT
+    for t in (1, 3, 7, 8):
+        x = torch.randn(t, hidden, generator=g, device="cuda")
+        ids = torch.rand(t, experts, generator=g, device="cuda").topk(8, dim=-1).indices.int().contiguous()
+        want_i = torch.full((t * 8, inter), float("nan"), device="cuda", dtype=torch.float16)
+        want_y = torch.full((t * 8, hidden), float("nan"), device="cuda")
+        monkeypatch.setattr(triton_moe, "CUDA_MAX_TOKENS", None)
+        triton_moe.experts_forward(x, ids, st, want_i, want_y)
+        assert not want_y.isnan().any()
+        monkeypatch.setattr(triton_moe, "CUDA_MAX_TOKENS", 8)
+        for cols, depth in ((16, 4), (8, 8), (32, 4), (16, 2)):
+            monkeypatch.setattr(cuda_q4, "EXPERT_COLS", cols)
+            monkeypatch.setattr(cuda_q4, "EXPERT_DEPTH", depth)
+            got_i = torch.full_like(want_i, float("nan"))
+            got_y = torch.full_like(want_y, float("nan"))
+            calls = []
+            real = cuda_q4.experts_direct
+            monkeypatch.setattr(cuda_q4, "experts_direct", lambda *a: calls.append(1) or real(*a))
+            triton_moe.experts_forward(x, ids, st, got_i, got_y)
+            monkeypatch.setattr(cuda_q4, "experts_direct", real)
+            assert calls, "the CTA form should have run"
+            assert torch.equal(got_i, want_i), (t, cols, depth, "inter")
+            assert torch.equal(got_y, want_y), (t, cols, depth, float((got_y - want_y).abs().max()))
