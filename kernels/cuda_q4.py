@@ -764,6 +764,9 @@ DEPTH = 8  # blocks a warp keeps in flight (register ring slots), or STREAM
 # instead of split programs with a ticket merge in global memory, where the weight is split
 CTA = True
 CTA_MAX_SPLIT = 8  # its warps a CTA: 256 threads (the entries' launch bounds)
+# at depth 8 a split of fewer blocks runs depth 4: H100, cold, o (16 blocks a split) 1 / 8 rows
+# 6.1 / 8.3 µs at depth 8, 5.8 / 7.2 at 4; qkv (32 blocks) 7.7 / 9.4 at 8, 8.1 / 9.7 at 4
+CTA_DEEP_BLOCKS = 32
 SWAP_MT = 2  # the swapped form: m16 feature tiles a warp
 SWAP_WARPS = 4  # ... and warps a CTA
 EXPERT_COLS = 16  # the direct experts' CTA form: columns a warp
@@ -844,10 +847,11 @@ def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
     the CTA form where it applies (a ring depth, ≤ CTA_MAX_SPLIT splits), a CTA the splits of
     a column tile (`warps` ignored)."""
     n, big_n, k = x.shape[0], lin.out_features, lin.in_features
+    chosen = depth is not None
     cols, depth = cols or COLS, DEPTH if depth is None else depth
     cta = CTA if cta is None else cta
     if cta and probe is None and depth != STREAM and lin.split <= CTA_MAX_SPLIT:
-        return _cta_linear(lin, x, out, residual, cols, depth)
+        return _cta_linear(lin, x, out, residual, cols, depth, chosen)
     _check(x, out, residual)
     if cols not in (8, 16, 32) or big_n % cols or k % 64 or LINEAR_TILE.bk != 64 \
             or depth not in (STREAM, 2, 4, 8) or cols * depth > 128:
@@ -880,8 +884,10 @@ def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
 
 
 def _cta_linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
-                residual: torch.Tensor | None, cols: int, depth: int) -> torch.Tensor:
-    """`linear` in the CTA form (q4_cta)."""
+                residual: torch.Tensor | None, cols: int, depth: int,
+                chosen: bool = False) -> torch.Tensor:
+    """`linear` in the CTA form (q4_cta); depth (unless chosen by the caller) 4 for splits
+    of fewer than CTA_DEEP_BLOCKS blocks."""
     n, big_n, k = x.shape[0], lin.out_features, lin.in_features
     _check(x, out, residual)
     if cols not in (8, 16, 32) or big_n % cols or k % 64 or LINEAR_TILE.bk != 64 \
@@ -891,6 +897,8 @@ def _cta_linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
     blocks = -(-k // 64 // lin.split) * 2
     cuda, fns = _functions(x.device.index or 0)
     sm = lin.sm.view(torch.int32)
+    if not chosen and depth == 8 and blocks < CTA_DEEP_BLOCKS:  # (the depth changes no bit)
+        depth = 4
     while blocks % depth or (depth == 8 and n > 8):  # whole rounds; 16-row tiles ≤ 4
         depth //= 2
     res = residual if residual is not None else out
