@@ -41,6 +41,9 @@ def apply(mode: str) -> None:
     if re.search(r'edepth[0-9]+', mode):  # ... its blocks in flight
         from kernels import cuda_q4
         cuda_q4.EXPERT_DEPTH = int(re.search(r'edepth([0-9]+)', mode).group(1))
+    if 'cudarouter' in mode:  # ... the router (128 outputs) too, in the CTA form's 16 splits
+        from kernels import triton_linear
+        triton_linear.CUDA_MIN_N = 1
     if 'nocta' in mode:  # cuda_q4's split programs with the ticket merge, not the CTA form
         from kernels import cuda_q4
         cuda_q4.CTA = False

@@ -88,9 +88,9 @@ def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles, weights=("qkv", "
             if cuda:  # the split programs in CUDA C++ (kernels/cuda_q4.py, an experiment)
                 modes += [(f"cuda split {c}c {'stream' if d == cuda_q4.STREAM else f'd{d}'}",
                            dict(cu=1, cols=c, depth=d)) for c, d in CUDA_VARIANTS if n % c == 0]
-                if m <= 16 and lin.split <= cuda_q4.CTA_MAX_SPLIT:  # the splits in one CTA
+                if m <= 16:  # the splits in one CTA
                     modes += [(f"cuda cta {c}c d{d}", dict(cu=1, cols=c, depth=d, cta=True))
-                              for c, d in CTA_VARIANTS if n % c == 0]
+                              for c, d in CTA_VARIANTS if n % c == 0 and cuda_q4.cta_takes(lin, c)]
                 if m > 8:  # the weights as the MMA's A operand, x through shared memory
                     modes += [(f"cuda swap mt{mt} w{w}", dict(cu=2, mt=mt, warps=w))
                               for mt, w in SWAP_VARIANTS if n % (16 * mt * w) == 0]

@@ -693,6 +693,12 @@ extern "C" __global__ void q4_probe3(Q4_ARGS) { q4_split<false, 2, 0, 3>(Q4_PASS
 Q4_CTA(8, 1, 2) Q4_CTA(8, 1, 4) Q4_CTA(8, 1, 8) Q4_CTA(8, 2, 2) Q4_CTA(8, 2, 4) Q4_CTA(8, 2, 8)
 Q4_CTA(8, 4, 2) Q4_CTA(8, 4, 4) Q4_CTA(16, 1, 2) Q4_CTA(16, 1, 4) Q4_CTA(16, 2, 2)
 Q4_CTA(16, 2, 4) Q4_CTA(16, 4, 2) Q4_CTA(16, 4, 4)
+// 9-16 splits (the router's 16): 512 threads a CTA, the rings that fit 128 registers unspilled
+#define Q4_CTAW(ROWS, NT, D) extern "C" __global__ void __launch_bounds__(512, 1) \
+    q4_ctaw##ROWS##_##NT##_d##D(Q4_ARGS) { \
+    q4_cta<ROWS == 16, NT, D>(x, qs, sm, res, y, M, N, K, stride_x, stride_res, stride_y, S, has_res); }
+Q4_CTAW(8, 1, 2) Q4_CTAW(8, 1, 4) Q4_CTAW(8, 1, 8) Q4_CTAW(8, 2, 2) Q4_CTAW(16, 1, 2)
+Q4_CTAW(16, 1, 4) Q4_CTAW(16, 2, 2)
 // depth 0: the split streamed whole into shared memory (stream_acc)
 Q4_ENTRY(8, 1, 0) Q4_ENTRY(8, 2, 0) Q4_ENTRY(8, 4, 0) Q4_ENTRY(16, 1, 0) Q4_ENTRY(16, 2, 0) Q4_ENTRY(16, 4, 0)
 """
@@ -753,6 +759,10 @@ ENTRIES = tuple(f"q4_split{rows}_{cols // 8}_d{d}".encode()
 ENTRIES += tuple(f"q4_swap{mt}_{ng}_w{w}".encode() for mt, ng, w in SWAP_FORMS)
 ENTRIES += tuple(f"q4_e{kind}{cols // 8}_d{d}".encode() for kind in ("gu", "dn")
                  for cols in (8, 16, 32) for d in (2, 4, 8) if cols * d <= 128)
+# the 512-thread CTA form for 9-16 splits: (rows, columns a warp) → the deepest ring it has
+CTAW_DEPTH = {(8, 8): 8, (8, 16): 2, (16, 8): 4, (16, 16): 2}
+ENTRIES += tuple(f"q4_ctaw{rows}_{cols // 8}_d{d}".encode()
+                 for (rows, cols), top in CTAW_DEPTH.items() for d in (2, 4, 8) if d <= top)
 ENTRIES += tuple(f"q4_cta{rows}_{cols // 8}_d{d}".encode()
                  for rows in (8, 16) for cols in (8, 16, 32) for d in (2, 4, 8)
                  if cols * d <= 128 and (d < 8 or rows == 8))
@@ -763,7 +773,8 @@ DEPTH = 8  # blocks a warp keeps in flight (register ring slots), or STREAM
 # the CTA form (q4_cta: a CTA's warps run a column tile's splits, merged in shared memory)
 # instead of split programs with a ticket merge in global memory, where the weight is split
 CTA = True
-CTA_MAX_SPLIT = 8  # its warps a CTA: 256 threads (the entries' launch bounds)
+CTA_MAX_SPLIT = 16  # its warps a CTA: 256 threads up to 8 splits, 512 (q4_ctaw) up to 16
+EXPERT_MAX_SPLIT = 8  # the experts' CTA form: 256 threads
 # at depth 8 a split of fewer blocks runs depth 4: H100, cold, o (16 blocks a split) 1 / 8 rows
 # 6.1 / 8.3 µs at depth 8, 5.8 / 7.2 at 4; qkv (32 blocks) 7.7 / 9.4 at 8, 8.1 / 9.7 at 4
 CTA_DEEP_BLOCKS = 32
@@ -816,7 +827,8 @@ def fits(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
     """Whether `linear` takes these operands at the defaults (COLS, DEPTH, CTA) and its
     kernels load on x's device."""
     ok = (lin.out_features % COLS == 0 and lin.in_features % 64 == 0 and LINEAR_TILE.bk == 64
-          and COLS * max(DEPTH, 1) <= 128)
+          and COLS * max(DEPTH, 1) <= 128 and (not CTA or DEPTH == STREAM or lin.split <= 8
+                                                or cta_takes(lin, COLS)))
     for t in (x, out) + ((residual,) if residual is not None else ()):
         ok = ok and t.is_cuda and t.dtype == torch.float32 and t.stride(1) == 1 \
             and t.stride(0) % 2 == 0
@@ -850,7 +862,7 @@ def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
     chosen = depth is not None
     cols, depth = cols or COLS, DEPTH if depth is None else depth
     cta = CTA if cta is None else cta
-    if cta and probe is None and depth != STREAM and lin.split <= CTA_MAX_SPLIT:
+    if cta and probe is None and depth != STREAM and cta_takes(lin, cols):
         return _cta_linear(lin, x, out, residual, cols, depth, chosen)
     _check(x, out, residual)
     if cols not in (8, 16, 32) or big_n % cols or k % 64 or LINEAR_TILE.bk != 64 \
@@ -883,6 +895,11 @@ def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
     return out
 
 
+def cta_takes(lin: Q4Linear, cols: int) -> bool:
+    """Whether the CTA form has entries for lin's split count at `cols` columns a warp."""
+    return lin.split <= 8 or (lin.split <= CTA_MAX_SPLIT and cols in (8, 16))
+
+
 def _cta_linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
                 residual: torch.Tensor | None, cols: int, depth: int,
                 chosen: bool = False) -> torch.Tensor:
@@ -891,18 +908,23 @@ def _cta_linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
     n, big_n, k = x.shape[0], lin.out_features, lin.in_features
     _check(x, out, residual)
     if cols not in (8, 16, 32) or big_n % cols or k % 64 or LINEAR_TILE.bk != 64 \
-            or depth not in (2, 4, 8) or cols * depth > 128 or lin.split > CTA_MAX_SPLIT:
+            or depth not in (2, 4, 8) or cols * depth > 128 or not cta_takes(lin, cols):
         raise ValueError("cuda_q4: the CTA form needs cols 8, 16 or 32 dividing N, K a multiple "
-                         f"of 64, depth 2, 4 or 8 (cols x depth ≤ 128), ≤ {CTA_MAX_SPLIT} splits")
+                         f"of 64, depth 2, 4 or 8 (cols x depth ≤ 128), ≤ {CTA_MAX_SPLIT} splits "
+                         "(above 8: 8 or 16 cols)")
     blocks = -(-k // 64 // lin.split) * 2
     cuda, fns = _functions(x.device.index or 0)
     sm = lin.sm.view(torch.int32)
     if not chosen and depth == 8 and blocks < CTA_DEEP_BLOCKS:  # (the depth changes no bit)
         depth = 4
+    rows = 16 if n > 8 else 8
+    wide = lin.split > 8  # 512 threads: fewer registers, so shallower rings
+    if wide:
+        depth = min(depth, CTAW_DEPTH[(rows, cols)])
     while blocks % depth or (depth == 8 and n > 8):  # whole rounds; 16-row tiles ≤ 4
         depth //= 2
     res = residual if residual is not None else out
-    fn = fns[f"q4_cta{16 if n > 8 else 8}_{cols // 8}_d{depth}".encode()]
+    fn = fns[f"q4_cta{'w' if wide else ''}{rows}_{cols // 8}_d{depth}".encode()]
     _launch(cuda, fn, (big_n // cols, 1, -(-n // 16)), 32 * lin.split, lin.split * 16 * cols * 4,
             (x, lin.qs, sm, res, out, out, sm),
             (n, big_n, k, x.stride(0), res.stride(0), out.stride(0), lin.split,
@@ -919,7 +941,7 @@ def experts_fit(experts, x: torch.Tensor) -> bool:
     i, h = experts.inter, experts.hidden
     (gw, gs), (dw, ds) = experts.gu, experts.down
     whole = all(t.is_contiguous() for t in (gw, gs, dw, ds))
-    return (whole and max(experts.gu_split, experts.down_split) <= CTA_MAX_SPLIT
+    return (whole and max(experts.gu_split, experts.down_split) <= EXPERT_MAX_SPLIT
             and (2 * i) % EXPERT_COLS == 0 and h % EXPERT_COLS == 0 and h % 64 == 0
             and i % 64 == 0 and LINEAR_TILE.bk == 64 and available(x.device.index or 0))
 

@@ -39,6 +39,10 @@ FMT_CODES = {"f32": FMT_F32, "q4": FMT_Q4, "q8": FMT_Q8}
 # 273.7 / 1,183.6 → 293.2 / 1,214.2 (GPU_NOTES v17). None: off (bench/ab_modes.py `cudaN`)
 CUDA_MAX_ROWS: int | None = 8
 CUDA_MAX_N = 16384
+# ... and from this many outputs (None: SWAP_MAX_N; the router's 128 below it run the swapped
+# Triton tile — the same bits — until the CTA form's 16-split entries are measured for it:
+# bench/ab_modes.py `cudarouter`)
+CUDA_MIN_N: int | None = None
 # q4 calls of this many rows or more (below the dense path's) on cuda_q4's swapped form (the
 # weights as the MMA's A operand, each dequantized once for all rows), for weights of
 # SWAP_MAX_N outputs or more: an experiment (bench/ab_modes.py `cswN`), off by default
@@ -226,7 +230,8 @@ def linear(lin: Linear, x: torch.Tensor, out: torch.Tensor | None = None,
         if tile is None and (dense := triton_f16.plan(lin, n, x)):  # dequantized once, fp16
             return triton_f16.linear(lin, x, out, residual, dense)
         if (tile is None and CUDA_MAX_ROWS and n <= CUDA_MAX_ROWS and x.is_cuda
-                and q4_layout.SWAP_MAX_N <= lin.out_features <= CUDA_MAX_N):
+                and (q4_layout.SWAP_MAX_N if CUDA_MIN_N is None else CUDA_MIN_N)
+                <= lin.out_features <= CUDA_MAX_N):
             from kernels import cuda_q4
             if cuda_q4.fits(lin, x, out, residual):
                 return cuda_q4.linear(lin, x, out, residual)

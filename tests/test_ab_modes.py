@@ -66,3 +66,8 @@ def test_the_split_modes_set_the_programs_and_the_split_cap(mode, want):
 def test_the_expert_cuda_modes_set_their_knobs_and_leave_the_linear_alone(mode, want):
     assert _knobs(mode, "triton_moe.CUDA_MAX_TOKENS, cuda_q4.EXPERT_COLS, cuda_q4.EXPERT_DEPTH, "
                         "triton_linear.CUDA_MAX_ROWS") == want.split()
+
+
+@pytest.mark.parametrize("mode,want", [("pdl", "None"), ("pdl_cudarouter", "1")])
+def test_the_router_mode_lowers_the_cuda_linears_output_floor(mode, want):
+    assert _knobs(mode, "triton_linear.CUDA_MIN_N") == want.split()

@@ -101,11 +101,12 @@ def test_the_cuda_q4_kernel_gives_the_decode_tile_bits(n, k):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("n,k,programs", [(5120, 2048, 256), (5120, 2048, 1024), (2048, 4096, 256),
-                                          (128 * 37, 2048, 512), (128, 2048, 16)])
+                                          (128 * 37, 2048, 512), (128, 2048, 16), (128, 2048, 256),
+                                          (2048, 4096, 1024)])
 def test_the_cta_form_gives_the_decode_tile_bits(n, k, programs):
     """q4_cta (a CTA a column tile's splits, merged in shared memory): the split programs'
     bits at 1-40 rows (one and several row tiles), with and without the residual, for split
-    counts of 1-8 (the weights re-split for `programs`)."""
+    counts of 1-16 (the weights re-split for `programs`; above 8 the 512-thread entries)."""
     from bench.kernel_bench import rand_q4
     from kernels import q4_layout, triton_q4
 
@@ -119,7 +120,7 @@ def test_the_cta_form_gives_the_decode_tile_bits(n, k, programs):
         want = triton_q4.linear(lin, x, nan(m), res, tile=q4_layout.LINEAR_TILE, seq=False)
         bare = triton_q4.linear(lin, x, nan(m), tile=q4_layout.LINEAR_TILE, seq=False)
         for cols, depth in ((8, 8), (16, 8), (16, 4), (32, 4), (8, 2)):
-            if n % cols:
+            if n % cols or not cuda_q4.cta_takes(lin, cols):
                 continue
             got = cuda_q4.linear(lin, x, nan(m), res, cols=cols, depth=depth, cta=True)
             assert torch.equal(got, want), (m, cols, depth, lin.split, float((got - want).abs().max()))
@@ -199,7 +200,7 @@ def test_the_direct_experts_in_the_cta_form_give_the_split_programs_bits(monkeyp
     g = torch.Generator("cuda").manual_seed(hidden + experts)
     st = moe_layout.StackedExperts.stack(
         tuple((rand_q4(2 * inter, hidden, g), rand_q4(hidden, inter, g)) for _ in range(experts)))
-    assert 1 < st.gu_split <= cuda_q4.CTA_MAX_SPLIT and 1 < st.down_split <= cuda_q4.CTA_MAX_SPLIT
+    assert 1 < st.gu_split <= cuda_q4.EXPERT_MAX_SPLIT and 1 < st.down_split <= cuda_q4.EXPERT_MAX_SPLIT
     for t in (1, 3, 7, 8):
         x = torch.randn(t, hidden, generator=g, device="cuda")
         ids = torch.rand(t, experts, generator=g, device="cuda").topk(8, dim=-1).indices.int().contiguous()
