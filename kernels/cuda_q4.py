@@ -791,11 +791,12 @@ def _functions(device: int) -> tuple[ctypes.CDLL, dict]:
     """(libcuda, {entry: function}) loaded into torch's context on `device`."""
     major, minor = torch.cuda.get_device_capability(device)
     code = ptx(f"compute_{major}{minor}")
-    torch.zeros(1, device=f"cuda:{device}")  # torch's primary context is current
     cuda = ctypes.CDLL("libcuda.so.1")
     mod = ctypes.c_void_p()
-    if cuda.cuModuleLoadData(ctypes.byref(mod), code):
-        raise RuntimeError("cuda_q4: the driver could not load the module")
+    with torch.cuda.device(device):  # the device's primary context current on this thread
+        torch.zeros(1, device=f"cuda:{device}")
+        if cuda.cuModuleLoadData(ctypes.byref(mod), code):
+            raise RuntimeError("cuda_q4: the driver could not load the module")
     fns = {}
     for name in ENTRIES + PROBES:
         fns[name] = ctypes.c_void_p()
@@ -995,9 +996,11 @@ def _launch(cuda: ctypes.CDLL, fn: ctypes.c_void_p, grid: tuple[int, int, int], 
     args = [ctypes.c_void_p(t.data_ptr()) for t in tensors] + [ctypes.c_int(v) for v in ints]
     argv = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p)
                                            for a in args])
-    stream = ctypes.c_void_p(torch.cuda.current_stream(tensors[0].device).cuda_stream)
-    if cuda.cuLaunchKernel(fn, *grid, threads, 1, 1, smem, stream, argv, None):
-        raise RuntimeError("cuda_q4: launch failed")
+    dev = tensors[0].device
+    stream = ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream)
+    with torch.cuda.device(dev):  # the module's context current (a replica on cuda:1, say)
+        if cuda.cuLaunchKernel(fn, *grid, threads, 1, 1, smem, stream, argv, None):
+            raise RuntimeError("cuda_q4: launch failed")
 
 
 def swap_fits(lin: Q4Linear, x: torch.Tensor) -> bool:
