@@ -41,7 +41,7 @@ def _row(kernel, shape, m, mode, ms, nbytes, flops, copy_gbs, same) -> dict:
 # (columns a warp, blocks in flight) of the CUDA split programs timed with --cuda
 CUDA_VARIANTS = ((16, 8), (32, 4), (16, cuda_q4.STREAM))
 # (columns a warp, blocks in flight) of the CUDA CTA form (a CTA a column tile's splits) timed
-# with --cuda up to 16 rows
+# with --cuda up to 64 rows
 CTA_VARIANTS = ((16, 8), (8, 8), (16, 4), (32, 4))
 # (m16 feature tiles a warp, warps a CTA) of the CUDA swapped form timed with --cuda from 9 rows
 SWAP_VARIANTS = ((1, 4), (2, 4), (1, 8), (2, 8))
@@ -88,7 +88,7 @@ def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles, weights=("qkv", "
             if cuda:  # the split programs in CUDA C++ (kernels/cuda_q4.py, an experiment)
                 modes += [(f"cuda split {c}c {'stream' if d == cuda_q4.STREAM else f'd{d}'}",
                            dict(cu=1, cols=c, depth=d)) for c, d in CUDA_VARIANTS if n % c == 0]
-                if m <= 16:  # the splits in one CTA
+                if m <= 64:  # the splits in one CTA (16-row tiles a CTA each)
                     modes += [(f"cuda cta {c}c d{d}", dict(cu=1, cols=c, depth=d, cta=True))
                               for c, d in CTA_VARIANTS if n % c == 0 and cuda_q4.cta_takes(lin, c)]
                 if m > 8:  # the weights as the MMA's A operand, x through shared memory
