@@ -82,6 +82,9 @@ def apply(mode: str) -> None:
         from kernels import triton_attention
         from replica import memory  # (its estimate of the graphs' attention partials)
         triton_attention.SPLIT = memory.ATTN_SPLIT = int(re.search(r'attnsplit([0-9]+)', mode).group(1))
+    if re.search(r'hsplit[0-9]+', mode):  # a kv head's query heads dealt over programs (same bits)
+        from kernels import triton_attention
+        triton_attention.HEAD_SPLIT_PROGRAMS = int(re.search(r'hsplit([0-9]+)', mode).group(1))
     if re.search(r'attn[0-9]+_[0-9]+', mode):  # paged attention split-kernel launch: warps_stages
         from kernels import triton_attention
         w, st = re.search(r'attn([0-9]+)_([0-9]+)', mode).groups()

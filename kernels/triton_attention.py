@@ -36,6 +36,12 @@ PRECISION = "tf32x3"  # fp32-accurate dots on the tensor cores (three tf32 produ
 # the H200 (GPU_NOTES v9). WARPS sets the score tile's layout, so its row reductions: another
 # WARPS gives other bits
 WARPS, STAGES = 8, 3
+# few programs (one stream, say): a kv head's query heads are dealt over up to GROUP programs
+# (HS) until the launch has this many programs. Each row of the score tile is one query head
+# and every reduction is per row, on the same [GROUP_PAD, BLOCK_N] tile, so a head's bits do
+# not depend on which heads share its program: the split may follow the batch (unlike SPLIT).
+# None: off (unmeasured; bench/ab_modes.py `hsplitN`)
+HEAD_SPLIT_PROGRAMS: int | None = None
 
 
 @triton.jit
@@ -76,17 +82,19 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, row_ptr, ctx_ptr, out_ptr, p
                        H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, SPLIT: tl.constexpr,
                        BLOCK_N: tl.constexpr, PREC: tl.constexpr, MMA: tl.constexpr,
-                       PDL: tl.constexpr):
+                       PDL: tl.constexpr, HS: tl.constexpr = 1):
+    """Program (token, kv head x HS, split): the split's keys for GROUP // HS query heads of
+    the kv head (HS > 1: its heads dealt over HS programs; the same bits a head)."""
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1)
+    kvh = tl.program_id(1) // HS
     sp = tl.program_id(2)
     ctx = tl.load(ctx_ptr + t)
     n_splits = tl.cdiv(ctx, SPLIT)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D)
-    heads = kvh * GROUP + g  # [GROUP_PAD] query heads of this kv head
-    g_mask = g < GROUP
+    heads = kvh * GROUP + (tl.program_id(1) % HS) * (GROUP // HS) + g  # [GROUP_PAD]
+    g_mask = g < GROUP // HS
     out_rows = out_ptr + (t * H + heads)[:, None] * D + d[None, :]
     if ctx == 0:  # padding token: defined output, nothing read
         if sp == 0:
@@ -147,15 +155,25 @@ def _attn_merge_kernel(ctx_ptr, out_ptr, pacc_ptr, pml_ptr, max_splits,
     tl.store(out_ptr + (t * H + h) * D + d, acc / l_sum)
 
 
+def head_splits(programs: int, group: int) -> int:
+    """HS for a launch of `programs` (token, kv head, split) programs: doubled while the launch
+    has fewer than HEAD_SPLIT_PROGRAMS programs and HS still divides the group; 1 when off."""
+    hs = 1
+    while HEAD_SPLIT_PROGRAMS and programs * hs < HEAD_SPLIT_PROGRAMS and group % (2 * hs) == 0:
+        hs *= 2
+    return hs
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, tok_row: torch.Tensor, ctx_lens: torch.Tensor,
                     scale: float, out: torch.Tensor | None = None,
-                    split: int | None = None) -> torch.Tensor:
+                    split: int | None = None, head_split: int | None = None) -> torch.Tensor:
     """q [T, H, D] f32; caches [num_blocks, block_size, KVH, D] f32 or bf16; block_tables
     [S, MB] int32; tok_row/ctx_lens [T] int32 → out [T, H, D] f32 (allocated when not given):
     token t attends to the first ctx_lens[t] keys of stream tok_row[t]. No host sync: the
     grid's split count comes from the table width (MB * block_size keys at most). split: keys
-    per split (default SPLIT, read at the call)."""
+    per split (default SPLIT, read at the call); head_split: programs a kv head's query heads
+    are dealt over (default `head_splits`; any divisor of the group gives the same bits)."""
     split = split or SPLIT
     if q.dtype == torch.float32 and not q.is_contiguous():
         q = q.contiguous()
@@ -189,12 +207,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         pml = torch.empty(t, h, max_splits, 2, dtype=torch.float32, device=q.device)
     else:
         pacc = pml = out  # never touched: every token has one split
-    _attn_split_kernel[(t, kvh, max_splits)](
+    hs = head_splits(t * kvh * max_splits, group) if head_split is None else head_split
+    if group % hs:
+        raise ValueError(f"head_split {hs} must divide the {group} query heads a kv head")
+    _attn_split_kernel[(t, kvh * hs, max_splits)](
         q, k_cache, v_cache, block_tables, tok_row, ctx_lens, out, pacc, pml,
         block_tables.stride(0), max_splits, scale, H=h, KVH=kvh, D=d, BS=bs, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), SPLIT=split, BLOCK_N=block_n,
-        PREC=PRECISION, MMA=q.device.type == "cuda", num_warps=WARPS, num_stages=STAGES,
-        **triton_pdl.launch(q))
+        PREC=PRECISION, MMA=q.device.type == "cuda", HS=hs, num_warps=WARPS,
+        num_stages=STAGES, **triton_pdl.launch(q))
     if max_splits > 1:
         _attn_merge_kernel[(t, h)](ctx_lens, out, pacc, pml, max_splits, H=h, D=d, SPLIT=split,
                                    **triton_pdl.launch(q))

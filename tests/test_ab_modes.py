@@ -71,3 +71,8 @@ def test_the_expert_cuda_modes_set_their_knobs_and_leave_the_linear_alone(mode, 
 @pytest.mark.parametrize("mode,want", [("pdl", "None"), ("pdl_cudarouter", "1")])
 def test_the_router_mode_lowers_the_cuda_linears_output_floor(mode, want):
     assert _knobs(mode, "triton_linear.CUDA_MIN_N") == want.split()
+
+
+@pytest.mark.parametrize("mode,want", [("pdl", "None 512"), ("pdl_hsplit128", "128 512")])
+def test_the_head_split_mode_leaves_the_split_alone(mode, want):
+    assert _knobs(mode, "triton_attention.HEAD_SPLIT_PROGRAMS, triton_attention.SPLIT") == want.split()

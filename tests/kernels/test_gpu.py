@@ -141,6 +141,12 @@ def test_paged_attention_at_real_shapes_and_bitwise_alone(dtype):
                                                  torch.zeros(1, dtype=torch.int32, device=DEV),
                                                  ctx[i:i + 1].contiguous(), d ** -0.5, nan(1, h, d))
         assert torch.equal(alone[0], out[i]), i
+        for hs in (2, 8):  # a kv head's 8 query heads over 2 or 8 programs: the same bits
+            split = triton_attention.paged_attention(
+                q[i:i + 1].contiguous(), kc, vc, wide.contiguous(),
+                torch.zeros(1, dtype=torch.int32, device=DEV), ctx[i:i + 1].contiguous(),
+                d ** -0.5, nan(1, h, d), head_split=hs)
+            assert torch.equal(split[0], out[i]), (i, hs)
 
 
 @functools.lru_cache(maxsize=1)

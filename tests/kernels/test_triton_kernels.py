@@ -299,6 +299,34 @@ def test_paged_attention_token_is_bitwise_independent_of_batch_and_table_width()
         assert torch.equal(out[0], alone[0])
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_bits_do_not_depend_on_how_a_kv_heads_query_heads_are_dealt(kv_dtype):
+    """head_split (HEAD_SPLIT_PROGRAMS): a kv head's 4 query heads over 1, 2 or 4 programs —
+    a head is one row of the score tile and every reduction is per row, so the same bits."""
+    g = gen(16)
+    kc, vc, tables = _paged_setup(g, h=8, kvh=2, dtype=kv_dtype)
+    tok_row = torch.tensor([0, 2, 1], dtype=torch.int32)
+    ctx = torch.tensor([61, 5, 64], dtype=torch.int32)
+    q = torch.randn(3, 8, 16, generator=g)
+    split = 32 if kv_dtype == torch.float32 else 64
+    want = triton_attention.paged_attention(q, kc, vc, tables, tok_row, ctx, 0.3, nan(3, 8, 16),
+                                            split=split, head_split=1)
+    for hs in (2, 4):
+        got = triton_attention.paged_attention(q, kc, vc, tables, tok_row, ctx, 0.3,
+                                               nan(3, 8, 16), split=split, head_split=hs)
+        assert torch.equal(got, want), hs
+    with pytest.raises(ValueError, match="must divide"):
+        triton_attention.paged_attention(q, kc, vc, tables, tok_row, ctx, 0.3, split=split,
+                                         head_split=3)
+    assert [triton_attention.head_splits(p, 8) for p in (4, 100, 200)] == [1, 1, 1]  # off
+
+
+def test_head_splits_double_until_the_launch_has_its_programs(monkeypatch):
+    monkeypatch.setattr(triton_attention, "HEAD_SPLIT_PROGRAMS", 128)
+    assert [triton_attention.head_splits(p, 8) for p in (4, 16, 40, 64, 128, 500)] == [8, 8, 4, 2, 1, 1]
+    assert triton_attention.head_splits(4, 6) == 2  # a divisor of the group
+
+
 # ---- MoE ------------------------------------------------------------------------------------------
 def _moe_setup(fmt, g, e=8, hidden=64, inter=32):
     mk = FORMATS[fmt]
