@@ -10,9 +10,9 @@ mkdir -p "$OUT"
 stamp() { echo "=== $(date +%T) $*"; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 
-stamp "bits: the CTA experts, the 16-split CTA linear, the head split, routed linears"
+stamp "bits: the CTA experts, every cuda_q4 form against the decode tile, the head split, routed linears"
 timeout 240 python -m pytest -q -n 0 tests/kernels/test_cuda_q4.py tests/kernels/test_gpu.py \
-  -k "direct_experts or cta_form or routed or compiles or paged_attention_at_real" 2>&1 | tail -6
+  -k "direct_experts or decode_tile_bits or routed or compiles or paged_attention_at_real" 2>&1 | tail -6
 
 stamp "the MoE layer at 1 and 4 tokens: three kernels, fused, CUDA CTA experts"
 timeout 120 python -m bench.moe_timeline --ts 1,4 --json "$OUT/moe_timeline.json" 2>&1 \

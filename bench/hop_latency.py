@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from bench.prefill_modes import timed
 from kernels import triton_pdl
 from kernels.triton_pdl import pdl_wait
 
@@ -48,21 +49,6 @@ def _ping_pong_kernel(flags_ptr, rounds, ATOMIC_POLL: tl.constexpr):
         tl.atomic_add(mine, 1, sem="release")
 
 
-def _time(fn, iters: int = 5) -> float:
-    """Median ms of fn() (already a graph replay or a launch), by CUDA events."""
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return sorted(ts)[len(ts) // 2]
-
-
 def kernel_chain(n: int, programs: int, pdl: bool) -> float:
     """µs a kernel in a graph of n near-empty kernels of `programs` programs."""
     buf = torch.zeros(programs, dtype=torch.int32, device="cuda")
@@ -73,7 +59,7 @@ def kernel_chain(n: int, programs: int, pdl: bool) -> float:
     with torch.cuda.graph(graph):
         for _ in range(n):
             _noop_kernel[(programs,)](buf, **opts)
-    return _time(graph.replay) * 1e3 / n
+    return timed(graph.replay) * 1e3 / n
 
 
 def ping_pong(rounds: int, atomic_poll: bool) -> float:
@@ -84,7 +70,7 @@ def ping_pong(rounds: int, atomic_poll: bool) -> float:
         flags.zero_()
         _ping_pong_kernel[(2,)](flags, rounds, ATOMIC_POLL=atomic_poll)
 
-    ms = _time(run)
+    ms = timed(run)
     assert int(flags[0]) == rounds and int(flags[32]) == rounds
     return ms * 1e3 / (2 * rounds)
 

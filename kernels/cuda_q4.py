@@ -181,6 +181,20 @@ __device__ __forceinline__ void block_mma(float acc[NT][4], const float2* p, uns
   }
 }
 
+// split sp's K range [k_lo, k_hi) of S splits: whole k steps of 64, as q4_layout.split_count
+// and the Triton programs cut them
+__device__ __forceinline__ void split_k(int K, int S, int sp, int& k_lo, int& k_hi) {
+  const int per = ((K / 64 + S - 1) / S) * 64;
+  k_lo = sp * per;
+  k_hi = min(k_lo + per, K);
+}
+
+// lane c's PRMT selector and the byte offset of the word holding bytes 2c, 2c+1 of a block
+__device__ __forceinline__ void lane_bytes(int c, unsigned& sel, int& word) {
+  sel = (c & 1) ? 0x7362u : 0x5140u;
+  word = (c >> 1) * 4;
+}
+
 // acc += the split [k_lo, k_hi) of the 8 NT columns from n0, its blocks through a ring of D
 // register slots: D blocks' loads (weights and x) in flight ahead of the MMAs, which take the
 // blocks in ascending order. nb % D == 0 (the host picks D); the last round only computes.
@@ -305,14 +319,14 @@ __device__ __forceinline__ void q4_split(const float* __restrict__ x, const unsi
   const int tile = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (tile >= n_tiles) return;
   const int n0 = tile * 8 * NT, m0 = blockIdx.z * 16, sp = blockIdx.y;
-  const int per = ((K / 64 + S - 1) / S) * 64;
-  const int k_lo = sp * per, k_hi = min(k_lo + per, K);
+  int k_lo, k_hi, word;
+  unsigned sel;
+  split_k(K, S, sp, k_lo, k_hi);
+  lane_bytes(c, sel, word);
   const int r0 = m0 + g, r1 = m0 + g + 8;
   const bool v0 = r0 < M, v1 = r1 < M;
   const float* x0 = x + (long)(v0 ? r0 : 0) * stride_x;
   const float* x1 = x + (long)(v1 ? r1 : 0) * stride_x;
-  const unsigned sel = (c & 1) ? 0x7362u : 0x5140u;
-  const int word = (c >> 1) * 4;  // byte offset of the word holding bytes 2c, 2c+1
   float acc[NT][4];
 #pragma unroll
   for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
@@ -417,8 +431,8 @@ __device__ __forceinline__ void q4_swap(const float* __restrict__ x, const unsig
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c = lane & 3, g = lane >> 2;
   const int fc = blockIdx.x * F, fw = warp * 16 * MT, f0 = fc + fw;
   const int t0 = blockIdx.z * T, sp = blockIdx.y;
-  const int per = ((K / 64 + S - 1) / S) * 64;
-  const int k_lo = sp * per, k_hi = min(k_lo + per, K);
+  int k_lo, k_hi;
+  split_k(K, S, sp, k_lo, k_hi);
   const int rounds = (k_hi - k_lo) / KR;
   const unsigned char* smb = reinterpret_cast<const unsigned char*>(sm);
   // stage r's copies into slot r % NS: one commit group (empty past the split's end)
@@ -443,8 +457,9 @@ __device__ __forceinline__ void q4_swap(const float* __restrict__ x, const unsig
   };
 #pragma unroll
   for (int st = 0; st < NS - 1; ++st) issue(st);
-  const unsigned sel = (c & 1) ? 0x7362u : 0x5140u;
-  const int word = (c >> 1) * 4;
+  unsigned sel;
+  int word;
+  lane_bytes(c, sel, word);
   float acc[MT][NG][4];
 #pragma unroll
   for (int m = 0; m < MT; ++m)
@@ -557,14 +572,14 @@ __device__ __forceinline__ void q4_cta(const float* __restrict__ x, const unsign
   float* part = reinterpret_cast<float*>(smem);  // [S][16][C]
   const int lane = threadIdx.x & 31, c = lane & 3, g = lane >> 2, sp = threadIdx.x >> 5;
   const int n0 = blockIdx.x * C, m0 = blockIdx.z * 16;
-  const int per = ((K / 64 + S - 1) / S) * 64;
-  const int k_lo = sp * per, k_hi = min(k_lo + per, K);
+  int k_lo, k_hi, word;
+  unsigned sel;
+  split_k(K, S, sp, k_lo, k_hi);
+  lane_bytes(c, sel, word);
   const int r0 = m0 + g, r1 = m0 + g + 8;
   const bool v0 = r0 < M, v1 = r1 < M;
   const float* x0 = x + (long)(v0 ? r0 : 0) * stride_x;
   const float* x1 = x + (long)(v1 ? r1 : 0) * stride_x;
-  const unsigned sel = (c & 1) ? 0x7362u : 0x5140u;
-  const int word = (c >> 1) * 4;
   float acc[NT][4];
 #pragma unroll
   for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
@@ -617,11 +632,11 @@ __device__ __forceinline__ void q4_expert_cta(const void* __restrict__ xv, const
   const long e = ids[a];
   const unsigned char* qe = qs + e * ((long)(K >> 5) * N * 16);
   const unsigned* se = sm + e * ((long)(K >> 5) * N);
-  const int per = ((K / 64 + S - 1) / S) * 64;
-  const int k_lo = sp * per, k_hi = min(k_lo + per, K);
+  int k_lo, k_hi, word;
+  unsigned sel;
+  split_k(K, S, sp, k_lo, k_hi);
+  lane_bytes(c, sel, word);
   const bool v0 = g == 0;  // one row: the assignment's
-  const unsigned sel = (c & 1) ? 0x7362u : 0x5140u;
-  const int word = (c >> 1) * 4;
   float acc[NT][4];
 #pragma unroll
   for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
