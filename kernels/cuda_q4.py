@@ -52,6 +52,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import glob
+import hashlib
 import os
 import site
 import warnings
@@ -740,8 +741,39 @@ def _nvrtc() -> ctypes.CDLL:
     return ctypes.CDLL(lib)
 
 
-def ptx(arch: str = "compute_90") -> bytes:
-    """SOURCE compiled by NVRTC for `arch` (no GPU needed)."""
+def ptx(arch: str = "compute_90", cache: bool = True) -> bytes:
+    """SOURCE compiled by NVRTC for `arch` (no GPU needed; ~10 s on a 2-core CPU), kept in
+    cache_dir() under a hash of the source, the arch, the options and the NVRTC library, so
+    later processes load it at once (cache False: compile anyway, keep nothing)."""
+    key = hashlib.sha256("\0".join((SOURCE, arch, " ".join(_OPTIONS), _find("libnvrtc.so*[0-9]")
+                                     or "", _find("cuda_fp16.h") or "")).encode()).hexdigest()
+    path = os.path.join(cache_dir(), f"cuda_q4-{key[:24]}.ptx")
+    if cache and os.path.exists(path):
+        with open(path, "rb") as f:
+            return f.read()
+    code = _compile(arch)
+    if cache:
+        try:  # written whole or not at all (another process may be writing the same file)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(code)
+            os.replace(tmp, path)
+        except OSError:  # a read-only home: compile every time
+            pass
+    return code
+
+
+_OPTIONS = ("-default-device", "-std=c++17")
+
+
+def cache_dir() -> str:
+    """Where compiled PTX is kept: $FEDSERVE_CACHE, else ~/.cache/fedserve."""
+    return os.environ.get("FEDSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                              "fedserve")
+
+
+def _compile(arch: str) -> bytes:
     header = _find("cuda_fp16.h")
     if header is None:
         raise RuntimeError("cuda_q4: cuda_fp16.h not found (pip install nvidia-cuda-runtime-cu12)")
@@ -749,7 +781,7 @@ def ptx(arch: str = "compute_90") -> bytes:
     prog = ctypes.c_void_p()
     if lib.nvrtcCreateProgram(ctypes.byref(prog), SOURCE.encode(), b"cuda_q4.cu", 0, None, None):
         raise RuntimeError("cuda_q4: nvrtcCreateProgram failed")
-    opts = [f"--gpu-architecture={arch}".encode(), b"-default-device", b"-std=c++17",
+    opts = [f"--gpu-architecture={arch}".encode(), *(o.encode() for o in _OPTIONS),
             f"-I{os.path.dirname(header)}".encode()]
     try:
         rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))

@@ -82,8 +82,20 @@ class GpuLinear(Linear):
 
 
 def prepare_linear(lin: Linear, device: str) -> Linear:
-    """The Linear on `device`, in the storage the kernels read (to_gpu_format)."""
-    return to_gpu_format(lin.to(device))
+    """The Linear on `device`, in the storage the kernels read (to_gpu_format). The first q4
+    weight that `linear` would route to kernels/cuda_q4.py builds and loads its kernels here,
+    at load time (NVRTC: seconds, cached on disk), not in the first request's step."""
+    out = to_gpu_format(lin.to(device))
+    if isinstance(out, Q4Linear) and _cuda_rows(out) and out.qs.is_cuda:
+        from kernels import cuda_q4
+        cuda_q4.available(out.qs.device.index or 0)
+    return out
+
+
+def _cuda_rows(lin: Q4Linear) -> bool:
+    """Whether `linear` sends lin's calls of up to CUDA_MAX_ROWS rows to cuda_q4."""
+    lo = q4_layout.SWAP_MAX_N if CUDA_MIN_N is None else CUDA_MIN_N
+    return bool(CUDA_MAX_ROWS) and lo <= lin.out_features <= CUDA_MAX_N
 
 
 def to_gpu_format(lin: Linear) -> Linear:
@@ -229,9 +241,7 @@ def linear(lin: Linear, x: torch.Tensor, out: torch.Tensor | None = None,
             raise TypeError("q4 weights must be in GPU storage (kernels.triton_linear.to_gpu_format)")
         if tile is None and (dense := triton_f16.plan(lin, n, x)):  # dequantized once, fp16
             return triton_f16.linear(lin, x, out, residual, dense)
-        if (tile is None and CUDA_MAX_ROWS and n <= CUDA_MAX_ROWS and x.is_cuda
-                and (q4_layout.SWAP_MAX_N if CUDA_MIN_N is None else CUDA_MIN_N)
-                <= lin.out_features <= CUDA_MAX_N):
+        if tile is None and x.is_cuda and _cuda_rows(lin) and n <= CUDA_MAX_ROWS:
             from kernels import cuda_q4
             if cuda_q4.fits(lin, x, out, residual):
                 return cuda_q4.linear(lin, x, out, residual)

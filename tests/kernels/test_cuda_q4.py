@@ -223,3 +223,19 @@ def test_the_direct_experts_in_the_cta_form_give_the_split_programs_bits(monkeyp
             assert calls, "the CTA form should have run"
             assert torch.equal(got_i, want_i), (t, cols, depth, "inter")
             assert torch.equal(got_y, want_y), (t, cols, depth, float((got_y - want_y).abs().max()))
+
+
+def test_the_ptx_is_compiled_once_and_kept_on_disk(monkeypatch, tmp_path):
+    """ptx(): NVRTC runs once a (source, arch, toolchain); later calls and processes read the
+    file; cache=False compiles and keeps nothing."""
+    monkeypatch.setenv("FEDSERVE_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(cuda_q4, "_compile", lambda arch: calls.append(arch) or f"ptx {arch}".encode())
+    assert cuda_q4.ptx("compute_90") == b"ptx compute_90"
+    assert cuda_q4.ptx("compute_90") == b"ptx compute_90" and calls == ["compute_90"]
+    assert cuda_q4.ptx("compute_100") == b"ptx compute_100" and len(calls) == 2
+    assert len(list(tmp_path.glob("cuda_q4-*.ptx"))) == 2
+    assert cuda_q4.ptx("compute_90", cache=False) == b"ptx compute_90" and len(calls) == 3
+    monkeypatch.setattr(cuda_q4, "SOURCE", cuda_q4.SOURCE + "// changed\n")
+    cuda_q4.ptx("compute_90")
+    assert len(calls) == 4  # another source: another file
