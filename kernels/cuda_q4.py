@@ -743,11 +743,12 @@ def _nvrtc() -> ctypes.CDLL:
 
 def ptx(arch: str = "compute_90", cache: bool = True) -> bytes:
     """SOURCE compiled by NVRTC for `arch` (no GPU needed; ~10 s on a 2-core CPU), kept in
-    cache_dir() under a hash of the source, the arch, the options and the NVRTC library, so
+    CACHE_DIR under a hash of the source, the arch, the options and the NVRTC library, so
     later processes load it at once (cache False: compile anyway, keep nothing)."""
     key = hashlib.sha256("\0".join((SOURCE, arch, " ".join(_OPTIONS), _find("libnvrtc.so*[0-9]")
                                      or "", _find("cuda_fp16.h") or "")).encode()).hexdigest()
-    path = os.path.join(cache_dir(), f"cuda_q4-{key[:24]}.ptx")
+    cache = cache and CACHE_DIR is not None
+    path = os.path.join(CACHE_DIR or "", f"cuda_q4-{key[:24]}.ptx")
     if cache and os.path.exists(path):
         with open(path, "rb") as f:
             return f.read()
@@ -767,10 +768,8 @@ def ptx(arch: str = "compute_90", cache: bool = True) -> bytes:
 _OPTIONS = ("-default-device", "-std=c++17")
 
 
-def cache_dir() -> str:
-    """Where compiled PTX is kept: $FEDSERVE_CACHE, else ~/.cache/fedserve."""
-    return os.environ.get("FEDSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                              "fedserve")
+# where compiled PTX is kept (None: nowhere, every process compiles)
+CACHE_DIR: str | None = os.path.join(os.path.expanduser("~"), ".cache", "fedserve")
 
 
 def _compile(arch: str) -> bytes:

@@ -228,7 +228,7 @@ def test_the_direct_experts_in_the_cta_form_give_the_split_programs_bits(monkeyp
 def test_the_ptx_is_compiled_once_and_kept_on_disk(monkeypatch, tmp_path):
     """ptx(): NVRTC runs once a (source, arch, toolchain); later calls and processes read the
     file; cache=False compiles and keeps nothing."""
-    monkeypatch.setenv("FEDSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(cuda_q4, "CACHE_DIR", str(tmp_path))
     calls = []
     monkeypatch.setattr(cuda_q4, "_compile", lambda arch: calls.append(arch) or f"ptx {arch}".encode())
     assert cuda_q4.ptx("compute_90") == b"ptx compute_90"
