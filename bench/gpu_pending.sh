@@ -3,6 +3,7 @@
 # "Left undone" item 0), as one device call that prints as it goes; every step has its own
 # timeout so a hang costs that step only. Update it when the list changes.
 # Usage (on the GPU machine, repo root):   OUT=/some/dir bash bench/gpu_pending.sh
+# (MODES_SMALL= MODES_ROWS= MODES_ATTN= skip engine blocks; BITWISE_MODES adds the bitwise sets)
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/fedserve-gpu}
@@ -26,12 +27,18 @@ timeout 90 python -m bench.row_modes --ms 1,8 --ts "" --tiles "" --weights route
 
 # the engine, side by side (1-8 streams: the experts, the router; 16-64: the linear's rows)
 KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=${TAIL:-6} T_ENGINE=${T_ENGINE:-90} \
-  ENGINE_MODES="${MODES_SMALL:-pdl pdl_ecuda8 pdl_ecuda8_edepth8 pdl_cudarouter pdl}" \
+  ENGINE_MODES="${MODES_SMALL-pdl pdl_ecuda8 pdl_ecuda8_edepth8 pdl_cudarouter pdl}" \
   CONTEXT=128 STREAMS=1,4,8 TAG=_small bash bench/gpu_ab.sh 2>&1 | grep -v "^context"
 KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=${TAIL:-6} T_ENGINE=${T_ENGINE:-90} \
-  ENGINE_MODES="${MODES_ROWS:-pdl pdl_cuda16 pdl_cuda64}" CONTEXT=128 STREAMS=16,32,64 \
+  ENGINE_MODES="${MODES_ROWS-pdl pdl_cuda16 pdl_cuda64}" CONTEXT=128 STREAMS=16,32,64 \
   TAG=_rows bash bench/gpu_ab.sh 2>&1 | grep -v "^context"
 KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=${TAIL:-6} T_ENGINE=${T_ENGINE:-120} \
-  ENGINE_MODES="${MODES_ATTN:-pdl pdl_hsplit128 pdl_hsplit256}" CONTEXT=2048,8192 STREAMS=1,4,64 \
+  ENGINE_MODES="${MODES_ATTN-pdl pdl_hsplit128 pdl_hsplit256}" CONTEXT=2048,8192 STREAMS=1,4,64 \
   TAG=_attn bash bench/gpu_ab.sh 2>&1 | grep -v "^context"
+# BITWISE_MODES="pdl_ecuda8 ...": the engine's bitwise alone-vs-among sets under each (the
+# judge before a mode becomes a default); none by default
+for m in ${BITWISE_MODES-}; do
+  KERNEL_TESTS= BENCH= ENGINE_TESTS=1 ENGINE_TEST_MODE=$m ENGINE_MODES="" T_ENGINE_TESTS=240 \
+    bash bench/gpu_ab.sh 2>&1 | grep -v "^NVIDIA\|^torch" | tail -3
+done
 stamp done
