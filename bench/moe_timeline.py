@@ -6,7 +6,8 @@ per-item timeline (`_moe_fused_kernel` TRACE): when items are claimed, when thei
 ready, when they end, by phase (gate_up, down, combine), relative to the launch's first entry.
 Prints tables, writes JSON. Not a test.
 
-    python -m bench.moe_timeline [--ts 1,4] [--layers 8] [--mode pdl_eprefetch8] [--json out.json]
+    python -m bench.moe_timeline [--ts 1,4] [--layers 8] [--mode pdl_eprefetch8] [--claimed]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ def main() -> None:
     ap.add_argument("--ts", default="1,4")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--mode", default="pdl", help="knobs to set first (bench/ab_modes.py)")
+    ap.add_argument("--claimed", action="store_true",
+                    help="the timeline of the claimed-item launch (default: FUSED_STATIC's)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     apply(args.mode)
@@ -116,10 +119,9 @@ def main() -> None:
         print(f"t={t}: µs a layer " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in times.items()),
               flush=True)
         out["times"].append(dict(t=t, **times))
-        for static in (True,):
-            rows = timeline(router, layers, t, g, static)
-            print_timeline(t, static, rows)
-            out["timeline"] += [dict(r, static=static) for r in rows]
+        rows = timeline(router, layers, t, g, not args.claimed)
+        print_timeline(t, not args.claimed, rows)
+        out["timeline"] += [dict(r, static=not args.claimed) for r in rows]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

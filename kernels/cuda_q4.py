@@ -819,8 +819,9 @@ DEPTH = 8  # blocks a warp keeps in flight (register ring slots), or STREAM
 # the CTA form (q4_cta: a CTA's warps run a column tile's splits, merged in shared memory)
 # instead of split programs with a ticket merge in global memory, where the weight is split
 CTA = True
-CTA_MAX_SPLIT = 16  # its warps a CTA: 256 threads up to 8 splits, 512 (q4_ctaw) up to 16
-EXPERT_MAX_SPLIT = 8  # the experts' CTA form: 256 threads
+CTA_SPLITS_256 = 8  # its warps a CTA: 256 threads (q4_cta, q4_expert_cta) up to 8 splits,
+CTA_MAX_SPLIT = 16  # 512 (q4_ctaw) up to 16
+EXPERT_MAX_SPLIT = CTA_SPLITS_256  # the experts' CTA form: 256-thread entries only
 # at depth 8 a split of fewer blocks runs depth 4: H100, cold, o (16 blocks a split) 1 / 8 rows
 # 6.1 / 8.3 µs at depth 8, 5.8 / 7.2 at 4; qkv (32 blocks) 7.7 / 9.4 at 8, 8.1 / 9.7 at 4
 CTA_DEEP_BLOCKS = 32
@@ -874,8 +875,7 @@ def fits(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
     """Whether `linear` takes these operands at the defaults (COLS, DEPTH, CTA) and its
     kernels load on x's device."""
     ok = (lin.out_features % COLS == 0 and lin.in_features % 64 == 0 and LINEAR_TILE.bk == 64
-          and COLS * max(DEPTH, 1) <= 128 and (not CTA or DEPTH == STREAM or lin.split <= 8
-                                                or cta_takes(lin, COLS)))
+          and COLS * max(DEPTH, 1) <= 128)  # (splits the CTA form lacks: the split programs)
     for t in (x, out) + ((residual,) if residual is not None else ()):
         ok = ok and t.is_cuda and t.dtype == torch.float32 and t.stride(1) == 1 \
             and t.stride(0) % 2 == 0
@@ -944,7 +944,7 @@ def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
 
 def cta_takes(lin: Q4Linear, cols: int) -> bool:
     """Whether the CTA form has entries for lin's split count at `cols` columns a warp."""
-    return lin.split <= 8 or (lin.split <= CTA_MAX_SPLIT and cols in (8, 16))
+    return lin.split <= CTA_SPLITS_256 or (lin.split <= CTA_MAX_SPLIT and cols in (8, 16))
 
 
 def _cta_linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
@@ -965,7 +965,7 @@ def _cta_linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
     if not chosen and depth == 8 and blocks < CTA_DEEP_BLOCKS:  # (the depth changes no bit)
         depth = 4
     rows = 16 if n > 8 else 8
-    wide = lin.split > 8  # 512 threads: fewer registers, so shallower rings
+    wide = lin.split > CTA_SPLITS_256  # 512 threads: fewer registers, so shallower rings
     if wide:
         depth = min(depth, CTAW_DEPTH[(rows, cols)])
     while blocks % depth or (depth == 8 and n > 8):  # whole rounds; 16-row tiles ≤ 4

@@ -84,8 +84,9 @@ MAXNREG_MIN_TOKENS = 16
 # and in a graph with PDL). A first step of a persistent decode kernel (GPU_NOTES v16-v17),
 # off: it loses. H100, context 128, 1 / 4 streams: 323.4 / 875.1 tok/s with the three
 # kernels, 298.3 / 815.1 fused (GPU step 3.015 → 3.252 ms, +4.9 µs a layer); with claimed
-# items (FUSED_STATIC off) 268.7 / 809.4. bench/moe_timeline.py: a dependency through a
-# counter costs 1-3 µs, as much as the kernel boundary it replaces
+# items (FUSED_STATIC off) 268.7 / 809.4. bench/moe_timeline.py: a slot's down items see
+# their inputs 1.5-3.3 µs after its last gate_up tile (merge, release, poll); a bare flag costs
+# 0.61 µs, a PDL kernel boundary 0.50-0.66 (bench/hop_latency.py)
 FUSED = False
 # the fused launch's program p runs item p (no claim counter: the hardware deals the items
 # out evenly over the SMs; claims taken in arrival order piled gate_up tiles on some SMs,
@@ -301,9 +302,8 @@ def _backoff(v, ASM: tl.constexpr):
 
 @triton.jit
 def _wait_then_count(cnt_ptr, target, readers, ASM: tl.constexpr):
-    """Poll the counter (volatile loads with a pause: the first version polled with atomics
-    and lost 16% at 1 stream, ~1,000 programs polling 8 counters being the likely cause) until
-    it reaches target (its producers' count), then count this reader in (acq_rel: the reads
+    """Poll the counter (volatile loads with a pause; atomics measured the same: GPU_NOTES
+    v17) until it reaches target (its producers' count), then count this reader in (acq_rel: the reads
     that follow see what the producers wrote); the last of `readers` readers resets it to 0
     for the next launch."""
     seen = tl.load(cnt_ptr, volatile=True)
@@ -426,8 +426,6 @@ def _moe_fused_kernel(x_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, gw_ptr, gs_ptr,
     (bench/moe_timeline.py)."""
     if TRACE:
         entered = globaltimer()
-    else:
-        entered = 0
     pdl_wait(PDL)
     n_gu = TK * tl.cdiv(2 * I, BN) * SG
     n_dn = TK * tl.cdiv(H, BN) * SD
@@ -438,22 +436,6 @@ def _moe_fused_kernel(x_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, gw_ptr, gs_ptr,
         item = tl.atomic_add(sync_ptr, 1, sem="acq_rel")
         if item == total - 1:  # all claimed: free for the next launch
             tl.atomic_xchg(sync_ptr, 0)
-    _fused_item(item, n_gu, n_dn, entered, x_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, gw_ptr,
-                gs_ptr, dw_ptr, ds_ptr, inter_ptr, y_ptr, gws_ptr, dws_ptr, gtk_ptr, dtk_ptr,
-                sync_ptr, TK, E, I, H, stride_x, stride_gwe, stride_gse, stride_dwe, stride_dse,
-                stride_inter, stride_y, stride_res, stride_out, trace_ptr, TOPK, BM, BN, BK, SG,
-                SD, CB, HAS_RES, ASM, PREFETCH, TRACE)
-
-
-@triton.jit
-def _fused_item(item, n_gu, n_dn, entered, x_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, gw_ptr,
-                gs_ptr, dw_ptr, ds_ptr, inter_ptr, y_ptr, gws_ptr, dws_ptr, gtk_ptr, dtk_ptr,
-                sync_ptr, TK, E, I, H, stride_x, stride_gwe, stride_gse, stride_dwe, stride_dse,
-                stride_inter, stride_y, stride_res, stride_out, trace_ptr, TOPK: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SG: tl.constexpr,
-                SD: tl.constexpr, CB: tl.constexpr, HAS_RES: tl.constexpr, ASM: tl.constexpr,
-                PREFETCH: tl.constexpr, TRACE: tl.constexpr):
-    """One work item of `_moe_fused_kernel`."""
     stamp_row(trace_ptr, item, 0, TRACE)
     if TRACE:
         tl.store(trace_ptr + item.to(tl.int64) * 8 + 3, entered)
