@@ -42,8 +42,11 @@ def apply(mode: str) -> None:
         from kernels import cuda_q4
         cuda_q4.EXPERT_DEPTH = int(re.search(r'edepth([0-9]+)', mode).group(1))
     if 'cudarouter' in mode:  # ... the router (128 outputs) too, in the CTA form's 16 splits
-        from kernels import triton_linear
+        from kernels import triton_linear  # (the default since v18)
         triton_linear.CUDA_MIN_N = 1
+    if 'tritonrouter' in mode:  # the router on the swapped Triton tile (v17's engine)
+        from kernels import triton_linear
+        triton_linear.CUDA_MIN_N = None
     if 'nocta' in mode:  # cuda_q4's split programs with the ticket merge, not the CTA form
         from kernels import cuda_q4
         cuda_q4.CTA = False

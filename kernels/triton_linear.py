@@ -39,10 +39,12 @@ FMT_CODES = {"f32": FMT_F32, "q4": FMT_Q4, "q8": FMT_Q8}
 # 273.7 / 1,183.6 → 293.2 / 1,214.2 (GPU_NOTES v17). None: off (bench/ab_modes.py `cudaN`)
 CUDA_MAX_ROWS: int | None = 8
 CUDA_MAX_N = 16384
-# ... and from this many outputs (None: SWAP_MAX_N; the router's 128 below it run the swapped
-# Triton tile — the same bits — until the CTA form's 16-split entries are measured for it:
-# bench/ab_modes.py `cudarouter`)
-CUDA_MIN_N: int | None = None
+# ... and from this many outputs (None: SWAP_MAX_N, leaving the router's 128 to the swapped
+# Triton tile — the same bits). 1: the router too, on the CTA form's 16-split entries (3.3
+# against 5.9 µs at 1 row, 3.7 against 7.1 at 8); H100, context 128, 1 / 4 / 8 streams 365.4 /
+# 939.4 / 1,443.6 → 373.3 / 941.3 / 1,442.4 tok/s (GPU_NOTES v18; bench/ab_modes.py
+# `tritonrouter` puts it back)
+CUDA_MIN_N: int | None = 1
 # q4 calls of this many rows or more (below the dense path's) on cuda_q4's swapped form (the
 # weights as the MMA's A operand, each dequantized once for all rows), for weights of
 # SWAP_MAX_N outputs or more: an experiment (bench/ab_modes.py `cswN`), off by default

@@ -95,9 +95,11 @@ FUSED = False
 FUSED_STATIC = True
 # up to this many (direct) tokens on CUDA the experts run kernels/cuda_q4.py's CTA form
 # (`experts_direct`: a CTA an assignment's column tile, its K splits a warp each, merged in
-# shared memory; the direct split programs' bits), where it loads. None: off (unmeasured;
-# bench/ab_modes.py `ecudaN`)
-CUDA_MAX_TOKENS: int | None = None
+# shared memory; the direct split programs' bits), where it loads. H100, context 128, with the
+# router's CTA form: 1 stream 373.4 → 379.1 tok/s; at 4 and 8 tokens it loses (939.4 / 1,443.6
+# → 829.7 / 1,077.1 with 8; the MoE layer at 4 tokens 55.7 → 69.0 µs), so 1 (GPU_NOTES v18).
+# None or 0: off (bench/ab_modes.py `ecudaN`)
+CUDA_MAX_TOKENS: int | None = 1
 # direct launches (up to DIRECT_MAX_TOKENS tokens) with PDL: before waiting on gate_up, each
 # down program prefetches into L2 the first this-many 32-blocks of its expert's weight range
 # (the expert read from the top-k ids, final by then: written two kernels back). A prefetch

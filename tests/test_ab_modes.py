@@ -61,14 +61,15 @@ def test_the_split_modes_set_the_programs_and_the_split_cap(mode, want):
     assert _knobs(mode, "q4_layout.MAX_PROGRAMS, q4_layout.MAX_SPLIT") == want.split()
 
 
-@pytest.mark.parametrize("mode,want", [("pdl", "None 16 4 8"),
+@pytest.mark.parametrize("mode,want", [("pdl", "1 16 4 8"), ("pdl_ecuda0", "0 16 4 8"),
                                        ("pdl_ecuda4_ecols32_edepth2", "4 32 2 8")])
 def test_the_expert_cuda_modes_set_their_knobs_and_leave_the_linear_alone(mode, want):
     assert _knobs(mode, "triton_moe.CUDA_MAX_TOKENS, cuda_q4.EXPERT_COLS, cuda_q4.EXPERT_DEPTH, "
                         "triton_linear.CUDA_MAX_ROWS") == want.split()
 
 
-@pytest.mark.parametrize("mode,want", [("pdl", "None"), ("pdl_cudarouter", "1")])
+@pytest.mark.parametrize("mode,want", [("pdl", "1"), ("pdl_cudarouter", "1"),
+                                       ("pdl_tritonrouter", "None")])
 def test_the_router_mode_lowers_the_cuda_linears_output_floor(mode, want):
     assert _knobs(mode, "triton_linear.CUDA_MIN_N") == want.split()
 
