@@ -47,6 +47,9 @@ def apply(mode: str) -> None:
     if 'tritonrouter' in mode:  # the router on the swapped Triton tile (v17's engine)
         from kernels import triton_linear
         triton_linear.CUDA_MIN_N = None
+    if 'cudaplain' in mode:  # cuda_q4's kernels on plain launches (v17's engine)
+        from kernels import cuda_q4
+        cuda_q4.PDL = False
     if 'nocta' in mode:  # cuda_q4's split programs with the ticket merge, not the CTA form
         from kernels import cuda_q4
         cuda_q4.CTA = False

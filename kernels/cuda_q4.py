@@ -42,6 +42,11 @@ reads for qkv at 64 rows) and wins only on the lm_head (16 rows: 86 against 102 
 experiments (`CTA` off, `triton_linear.CUDA_SWAP_MIN_ROWS`); PROBES time the split programs'
 parts (loads alone, no merge, two accumulator chains).
 
+Launched with programmatic dependent launch where the Triton kernels are (`PDL`,
+kernels/triton_pdl.py): a kernel is scheduled while its predecessor ends, issues its ring's
+first weight loads (no kernel writes the weights), and only then waits (`pdl_wait`) for what
+the predecessor wrote; the launch changes no arithmetic, so no bit.
+
 Built at run time: NVRTC (found in the nvidia wheels beside torch, or pip's
 nvidia-cuda-nvrtc-cu12) compiles the source to PTX for the device's compute capability, and
 the driver loads the PTX (libcuda `cuModuleLoadData`). `ptx()` runs without a GPU.
@@ -60,7 +65,7 @@ import weakref
 
 import torch
 
-from kernels import q4_layout
+from kernels import q4_layout, triton_pdl
 from kernels.q4_layout import LINEAR_TILE, Q4Linear
 
 SOURCE = r"""
@@ -94,6 +99,17 @@ __device__ __forceinline__ void dequant(unsigned w0, unsigned w1, unsigned sel, 
   lo[1] = half2_bits(__hfma2(bits_half2(l1), s2, m2));
   hi[0] = half2_bits(__hfma2(bits_half2(h0), s2, m2));
   hi[1] = half2_bits(__hfma2(bits_half2(h1), s2, m2));
+}
+
+// Programmatic dependent launch (sm_90+; kernels/triton_pdl.py): wait until the previous
+// kernel in the stream has completed and its writes are visible, then let the next one be
+// scheduled. Nothing a kernel wrote may be read before this; the weights may (no kernel writes
+// them). A no-op for a plain launch, and compiled out before sm_90.
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 }
 
 __device__ __forceinline__ void mma(float d[4], const unsigned a[4], const unsigned b[2]) {
@@ -213,10 +229,15 @@ __device__ __forceinline__ void ring_acc(float acc[NT][4], const unsigned char* 
   const XT* xa = x0 + k_lo;
   const XT* xb = x1 + k_lo;
 #pragma unroll
-  for (int j = 0; j < D; ++j) {
+  for (int j = 0; j < D; ++j) {  // the first D blocks' weights: before the wait (PDL)
     load_block<NT>(wb, sb, w0[j], w1[j], wsm[j]);
+    wb += wstep; sb += N;
+  }
+  pdl_wait();
+#pragma unroll
+  for (int j = 0; j < D; ++j) {  // their x: a kernel wrote it
     load_x<ROWS16>(xa, xb, v0, v1, 0, c, xp[j]);
-    wb += wstep; sb += N; xa += 32; xb += 32;
+    xa += 32; xb += 32;
   }
   for (int r = D; r < nb; r += D) {
 #pragma unroll
@@ -315,6 +336,7 @@ __device__ __forceinline__ void q4_split(const float* __restrict__ x, const unsi
                                          float* __restrict__ y, float* __restrict__ ws,
                                          int* __restrict__ tickets, int M, int N, int K, int stride_x,
                                          int stride_res, int stride_y, int S, int has_res) {
+  pdl_wait();
   const int lane = threadIdx.x & 31, c = lane & 3, g = lane >> 2;
   const int n_tiles = N / (8 * NT);
   const int tile = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -426,6 +448,7 @@ __device__ __forceinline__ void q4_swap(const float* __restrict__ x, const unsig
   constexpr int RB = 2, NS = 4, T = 8 * NG, KR = 32 * RB, LD = KR + 8, F = 16 * MT * W;
   constexpr int XB = T * KR * 4, QB = RB * F * 16, SB = RB * F * 4, STAGE = XB + QB + SB;
   constexpr int XCH = XB / 16, QCH = QB / 16, CH = (XB + QB + SB) / 16, THREADS = 32 * W;
+  pdl_wait();
   extern __shared__ __align__(16) unsigned char smem[];
   __half* xh = reinterpret_cast<__half*>(smem + NS * STAGE);  // [T][LD]
   int* flag = reinterpret_cast<int*>(smem + NS * STAGE + T * LD * 2);
@@ -630,6 +653,7 @@ __device__ __forceinline__ void q4_expert_cta(const void* __restrict__ xv, const
   float* part = reinterpret_cast<float*>(smem);  // [S][C]: row 0 of each split's partial
   const int lane = threadIdx.x & 31, c = lane & 3, g = lane >> 2, sp = threadIdx.x >> 5;
   const int a = blockIdx.y, n0 = blockIdx.x * C;
+  pdl_wait();  // ids: the top-k's (gate_up) or read past gate_up's wait (down)
   const long e = ids[a];
   const unsigned char* qe = qs + e * ((long)(K >> 5) * N * 16);
   const unsigned* se = sm + e * ((long)(K >> 5) * N);
@@ -1029,11 +1053,29 @@ def _check(x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None) ->
                              "even-strided rows")
 
 
+class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: an id, padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttr)), ("num_attrs", ctypes.c_uint)]
+
+
+_PDL_ATTR = 3  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+# launch with programmatic dependent launch where triton_pdl does (Hopper and later): each
+# kernel loads its first ring blocks of weights before `pdl_wait`, so they are in flight while
+# the previous kernel ends, and the next kernel may be scheduled once every CTA has waited
+PDL = True
+
+
 def _launch(cuda: ctypes.CDLL, fn: ctypes.c_void_p, grid: tuple[int, int, int], threads: int,
             smem: int, tensors: tuple, ints: tuple) -> None:
     """fn<<<grid, threads, smem>>> on torch's current stream with Q4_ARGS (the tensors'
-    addresses, then the ints); above 48 KB of dynamic shared memory the kernel is opted in
-    first (once a size)."""
+    addresses, then the ints), with PDL where `PDL` and kernels/triton_pdl.py allow; above 48
+    KB of dynamic shared memory the kernel is opted in first (once a size)."""
     if smem > 48 * 1024 and (fn.value, smem) not in _BIG_SMEM:
         # (attribute 8: CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)
         if smem > 227 * 1024 or cuda.cuFuncSetAttribute(fn, 8, smem):
@@ -1045,8 +1087,15 @@ def _launch(cuda: ctypes.CDLL, fn: ctypes.c_void_p, grid: tuple[int, int, int], 
     dev = tensors[0].device
     stream = ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream)
     with torch.cuda.device(dev):  # the module's context current (a replica on cuda:1, say)
-        if cuda.cuLaunchKernel(fn, *grid, threads, 1, 1, smem, stream, argv, None):
-            raise RuntimeError("cuda_q4: launch failed")
+        if PDL and triton_pdl.pdl(tensors[0]):
+            attr = _LaunchAttr(id=_PDL_ATTR, value=1)
+            cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(threads, 1, 1),
+                                smem, stream, ctypes.pointer(attr), 1)
+            failed = cuda.cuLaunchKernelEx(ctypes.byref(cfg), fn, argv, None)
+        else:
+            failed = cuda.cuLaunchKernel(fn, *grid, threads, 1, 1, smem, stream, argv, None)
+        if failed:
+            raise RuntimeError(f"cuda_q4: launch failed (CUresult {failed})")
 
 
 def swap_fits(lin: Q4Linear, x: torch.Tensor) -> bool:

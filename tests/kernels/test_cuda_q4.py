@@ -36,6 +36,21 @@ def test_the_cuda_q4_source_compiles_for_hopper_without_spills(tmp_path):
     assert len(spills) == len(cuda_q4.ENTRIES + cuda_q4.PROBES) and not any(spills)
 
 
+@pytest.mark.skipif(not HAVE_NVRTC, reason="needs NVRTC and the CUDA headers")
+def test_every_kernel_waits_on_its_predecessor_and_the_ring_loads_weights_before_that():
+    """PDL: every entry runs griddepcontrol.wait (before reading what a kernel wrote); the
+    CTA forms issue their first ring blocks' weight loads before it, and x's after."""
+    code = cuda_q4.ptx("compute_90").decode()
+    bodies = {b.split("(")[0]: b for b in code.split(".visible .entry ")[1:]}
+    assert set(bodies) == {e.decode() for e in cuda_q4.ENTRIES + cuda_q4.PROBES}
+    for name, body in bodies.items():
+        assert "griddepcontrol.wait;" in body and "griddepcontrol.launch_dependents;" in body, name
+        if name.startswith("q4_cta"):
+            wait = body.index("griddepcontrol.wait;")
+            assert body.index("ld.global.nc") < wait, name  # the weights: before
+            assert re.search(r"ld\.global\.nc\.v2\.f32", body[wait:]), name  # x: after
+
+
 def test_the_cuda_q4_linear_refuses_what_its_kernel_cannot_take():
     from kernels import q4_layout
     from kernels.linear import quantize_q4
@@ -126,6 +141,44 @@ def test_the_cta_form_gives_the_decode_tile_bits(n, k, programs):
             assert torch.equal(got, want), (m, cols, depth, lin.split, float((got - want).abs().max()))
             got = cuda_q4.linear(lin, x, nan(m), cols=cols, depth=depth, cta=True)
             assert torch.equal(got, bare), (m, cols, depth, lin.split)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_chain_of_cuda_linears_under_pdl_in_a_graph_reads_each_input_after_it_is_written(monkeypatch):
+    """Each layer's x is the previous CTA kernel's output; under PDL the next kernel starts
+    while that one runs (its weights loading), so an x read before griddepcontrol.wait would
+    see the last replay's values. Replays on fresh inputs equal plain launches, bit for bit."""
+    from bench.kernel_bench import rand_q4
+    from kernels import q4_layout
+
+    g = torch.Generator("cuda").manual_seed(3)
+    lins = [q4_layout.repack(rand_q4(2048, 2048, g)) for _ in range(6)]
+    x0 = torch.randn(2, 2048, device="cuda")
+    bufs = [torch.empty(2, 2048, device="cuda") for _ in lins]
+
+    def chain():
+        x = x0
+        for lin, out in zip(lins, bufs):
+            x = cuda_q4.linear(lin, x, out, residual=x)
+        return x
+
+    def plain(xin):
+        monkeypatch.setattr(cuda_q4, "PDL", False)
+        x0.copy_(xin)
+        out = chain().clone()
+        monkeypatch.setattr(cuda_q4, "PDL", True)
+        return out
+
+    chain()  # loads the module outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    for _ in range(8):
+        xin = torch.randn(2, 2048, generator=g, device="cuda")
+        want = plain(xin)
+        x0.copy_(xin)
+        graph.replay()
+        assert torch.equal(bufs[-1], want)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
