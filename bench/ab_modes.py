@@ -47,6 +47,12 @@ def apply(mode: str) -> None:
     if 'tritonrouter' in mode:  # the router on the swapped Triton tile (v17's engine)
         from kernels import triton_linear
         triton_linear.CUDA_MIN_N = None
+    if 'tritontopk' in mode:  # the top-k on the Triton kernel, after the router (v17's engine)
+        from kernels import triton_moe_route
+        triton_moe_route.CUDA_TOPK = False
+    if 'splitroute' in mode:  # the CUDA top-k as its own kernel after the router's
+        from kernels import triton_moe_route
+        triton_moe_route.FUSED_ROUTE = False
     if 'cudaplain' in mode:  # cuda_q4's kernels on plain launches (v17's engine)
         from kernels import cuda_q4
         cuda_q4.PDL = False

@@ -696,6 +696,102 @@ __device__ __forceinline__ void q4_expert_cta(const void* __restrict__ xv, const
   }
 }
 
+// ---- routing: the top-k of a row's logits, and the router's CTA form with it fused ----------
+// One warp, one row of E <= 256 logits (lane l holds l, l + 32, ...): k rounds, each the row's
+// best untaken logit (ties to the lower id; a NaN never beats a number), so the picks are
+// exact; then lane r < k holds rank r's logit l_r and weight
+// w_r = exp(l_r - l_0) / (sum over ranks 0..k-1 of exp(l_s - l_0), added in rank order) —
+// softmax then renormalization over the k, with the full softmax's denominator cancelled.
+// Every CUDA route of the engine runs this one function, so its bits do not depend on the
+// batch. ids [k] int32, wts [k] fp32.
+// (a, ia) before (b, ib): none (ib < 0) last; numbers by value, descending, then NaNs; ties to
+// the lower id — a total order, so the picks do not depend on the order of the comparisons
+__device__ __forceinline__ bool route_better(float a, int ia, float b, int ib) {
+  const bool an = a != a, bn = b != b;
+  if (ib < 0) return true;
+  if (an != bn) return bn;
+  return an ? ia < ib : (a > b || (a == b && ia < ib));
+}
+
+__device__ __forceinline__ void topk_warp(const float* logits, int E, int k, int* ids, float* wts) {
+  const int lane = threadIdx.x & 31;
+  float v[8];
+  unsigned taken = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int e = lane + 32 * j;
+    v[j] = e < E ? __ldcg(logits + e) : 0.f;
+    if (e >= E) taken |= 1u << j;
+  }
+  float mine = 0.f;
+  int mine_id = 0;
+  for (int r = 0; r < k; ++r) {
+    float bv = 0.f;
+    int bi = -1;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)  // ascending ids: strict comparisons keep the lowest
+      if (!(taken >> j & 1u) && route_better(v[j], lane + 32 * j, bv, bi)) { bv = v[j]; bi = lane + 32 * j; }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (oi >= 0 && route_better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
+    }
+    bv = __shfl_sync(0xffffffffu, bv, 0);
+    bi = __shfl_sync(0xffffffffu, bi, 0);
+    if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
+    if (lane == r) { mine = bv; mine_id = bi; }
+  }
+  const float top = __shfl_sync(0xffffffffu, mine, 0);
+  const float ex = lane < k ? expf(mine - top) : 0.f;
+  float total = 0.f;
+  for (int r = 0; r < k; ++r) total = total + __shfl_sync(0xffffffffu, ex, r);  // rank order
+  if (lane < k) {
+    ids[lane] = mine_id;
+    wts[lane] = ex / total;
+  }
+}
+
+// grid cdiv(T, 4), 128 threads: warp w the row blockIdx.x * 4 + w
+extern "C" __global__ void __launch_bounds__(128) route_topk(const float* __restrict__ logits, int T, int E,
+                                                            int stride, int k, int* __restrict__ ids,
+                                                            float* __restrict__ wts) {
+  pdl_wait();
+  const int row = blockIdx.x * 4 + (threadIdx.x >> 5);
+  if (row < T) topk_warp(logits + (long)row * stride, E, k, ids + (long)row * k, wts + (long)row * k);
+}
+
+// The router in the CTA form (q4_cta, up to 8 rows: its bits) writing the logits, then the last
+// CTA to finish (a ticket, reset by that CTA for the next launch) runs topk_warp on every row:
+// one kernel instead of two, the top-k's bits.
+template <int NT, int D>
+__device__ __forceinline__ void q4_route(const float* __restrict__ x, const unsigned char* __restrict__ qs,
+                                         const unsigned* __restrict__ sm, float* __restrict__ y,
+                                         int* __restrict__ ids, float* __restrict__ wts,
+                                         int* __restrict__ ticket, int M, int N, int K, int stride_x,
+                                         int stride_y, int S, int k) {
+  __shared__ int last;
+  q4_cta<false, NT, D>(x, qs, sm, y, y, M, N, K, stride_x, stride_y, stride_y, S, 0);
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == (int)gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int r = threadIdx.x >> 5; r < M; r += blockDim.x >> 5)
+    topk_warp(y + (long)r * stride_y, N, k, ids + (long)r * k, wts + (long)r * k);
+  if (threadIdx.x == 0) atomicExch(ticket, 0);
+}
+
+#define Q4_ROUTE(W, THREADS, NT, D) extern "C" __global__ void __launch_bounds__(THREADS, 1) \
+    q4_route##W##_##NT##_d##D(const float* x, const unsigned char* qs, const unsigned* sm, float* y, \
+                              int* ids, float* wts, int* ticket, int M, int N, int K, int stride_x, \
+                              int stride_y, int S, int k) { \
+    q4_route<NT, D>(x, qs, sm, y, ids, wts, ticket, M, N, K, stride_x, stride_y, S, k); }
+Q4_ROUTE(, 256, 1, 2) Q4_ROUTE(, 256, 1, 4) Q4_ROUTE(, 256, 1, 8) Q4_ROUTE(, 256, 2, 2)
+Q4_ROUTE(, 256, 2, 4) Q4_ROUTE(, 256, 2, 8) Q4_ROUTE(w, 512, 1, 2) Q4_ROUTE(w, 512, 1, 4)
+Q4_ROUTE(w, 512, 1, 8) Q4_ROUTE(w, 512, 2, 2)
+
 #define Q4_EXPERT(KIND, GU, NT, D) extern "C" __global__ void __launch_bounds__(256, 1) \
     q4_e##KIND##NT##_d##D(const void* x, const int* ids, const unsigned char* qs, \
                           const unsigned* sm, void* out, int N, int K, int stride_x, \
@@ -836,6 +932,11 @@ ENTRIES += tuple(f"q4_ctaw{rows}_{cols // 8}_d{d}".encode()
 ENTRIES += tuple(f"q4_cta{rows}_{cols // 8}_d{d}".encode()
                  for rows in (8, 16) for cols in (8, 16, 32) for d in (2, 4, 8)
                  if cols * d <= 128 and (d < 8 or rows == 8))
+ENTRIES += tuple(f"q4_route{'w' if wide else ''}_{nt}_d{d}".encode()
+                 for wide, forms in ((False, ((1, 8), (2, 8))), (True, ((1, 8), (2, 2))))
+                 for nt, top in forms for d in (2, 4, 8) if d <= top)
+ENTRIES += (b"route_topk",)
+ROUTE_MAX_E, ROUTE_MAX_K = 256, 32  # the CUDA top-k: logits a row (8 a lane), picks (a lane each)
 STREAM = 0  # the depth that names the other form: the warp's split streamed into shared memory
 PROBES = (b"q4_probe1", b"q4_probe2", b"q4_probe3")  # bench only: 16 columns, <= 8 rows, streamed
 COLS = 16  # columns a warp by default (the fastest at 1-8 rows of qkv, GPU_NOTES v15)
@@ -983,17 +1084,10 @@ def _cta_linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
         raise ValueError("cuda_q4: the CTA form needs cols 8, 16 or 32 dividing N, K a multiple "
                          f"of 64, depth 2, 4 or 8 (cols x depth ≤ 128), ≤ {CTA_MAX_SPLIT} splits "
                          "(above 8: 8 or 16 cols)")
-    blocks = -(-k // 64 // lin.split) * 2
     cuda, fns = _functions(x.device.index or 0)
     sm = lin.sm.view(torch.int32)
-    if not chosen and depth == 8 and blocks < CTA_DEEP_BLOCKS:  # (the depth changes no bit)
-        depth = 4
     rows = 16 if n > 8 else 8
-    wide = lin.split > CTA_SPLITS_256  # 512 threads: fewer registers, so shallower rings
-    if wide:
-        depth = min(depth, CTAW_DEPTH[(rows, cols)])
-    while blocks % depth or (depth == 8 and n > 8):  # whole rounds; 16-row tiles ≤ 4
-        depth //= 2
+    wide, depth = _cta_plan(lin, rows, cols, depth, chosen)
     res = residual if residual is not None else out
     fn = fns[f"q4_cta{'w' if wide else ''}{rows}_{cols // 8}_d{depth}".encode()]
     _launch(cuda, fn, (big_n // cols, 1, -(-n // 16)), 32 * lin.split, lin.split * 16 * cols * 4,
@@ -1001,6 +1095,62 @@ def _cta_linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
             (n, big_n, k, x.stride(0), res.stride(0), out.stride(0), lin.split,
              int(residual is not None)))
     return out
+
+
+def _cta_plan(lin: Q4Linear, rows: int, cols: int, depth: int, chosen: bool) -> tuple[bool, int]:
+    """(wide, depth) of the CTA form's entry for lin at row tiles of `rows`: 512 threads above
+    CTA_SPLITS_256 splits (fewer registers, so shallower rings); depth (unless chosen by the
+    caller) 4 for splits of fewer than CTA_DEEP_BLOCKS blocks, then halved to whole rounds
+    (16-row tiles ≤ 4). The depth changes no bit."""
+    blocks = -(-lin.in_features // 64 // lin.split) * 2
+    if not chosen and depth == 8 and blocks < CTA_DEEP_BLOCKS:
+        depth = 4
+    wide = lin.split > CTA_SPLITS_256
+    if wide:
+        depth = min(depth, CTAW_DEPTH[(rows, cols)])
+    while blocks % depth or (depth == 8 and rows > 8):
+        depth //= 2
+    return wide, depth
+
+
+_ROUTE_TICKETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # router → its ticket
+
+
+def topk_fits(e: int, top_k: int, x: torch.Tensor) -> bool:
+    """Whether the CUDA top-k (`topk`, `route`) takes E logits and top_k picks on x's device."""
+    return (x.is_cuda and 0 < top_k <= min(e, ROUTE_MAX_K) and e <= ROUTE_MAX_E
+            and available(x.device.index or 0))
+
+
+def route_fits(lin: Q4Linear, x: torch.Tensor, logits: torch.Tensor) -> bool:
+    """Whether `route` (the router's CTA form with the top-k fused) takes lin, x and logits:
+    up to 8 rows, COLS columns a warp (8 or 16), a ring depth, and the CTA form's splits."""
+    return (x.shape[0] <= 8 and COLS in (8, 16) and DEPTH != STREAM and CTA
+            and cta_takes(lin, COLS) and fits(lin, x, logits))
+
+
+def topk(logits: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor) -> None:
+    """ids [T, k], wts [T, k] = each row's top-k of logits [T, E] (topk_warp: ties to the lower
+    id, the weights renormalized over the k in rank order)."""
+    t, e = logits.shape
+    cuda, fns = _functions(logits.device.index or 0)
+    _launch(cuda, fns[b"route_topk"], (-(-t // 4), 1, 1), 128, 0, (logits,),
+            (t, e, logits.stride(0), ids.shape[1]), tail=(ids, wts))
+
+
+def route(lin: Q4Linear, x: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor,
+          wts: torch.Tensor) -> None:
+    """logits [T, E] = x @ lin.T in the CTA form (its bits), and ids / wts as `topk` gives
+    them, in one kernel: the last CTA to finish (a ticket) picks every row's top-k."""
+    n, big_n, k = x.shape[0], lin.out_features, lin.in_features
+    cuda, fns = _functions(x.device.index or 0)
+    wide, depth = _cta_plan(lin, 8, COLS, DEPTH, False)
+    if lin not in _ROUTE_TICKETS:
+        _ROUTE_TICKETS[lin] = torch.zeros(1, dtype=torch.int32, device=lin.qs.device)
+    fn = fns[f"q4_route{'w' if wide else ''}_{COLS // 8}_d{depth}".encode()]
+    _launch(cuda, fn, (big_n // COLS, 1, 1), 32 * lin.split, lin.split * 16 * COLS * 4,
+            (x, lin.qs, lin.sm.view(torch.int32), logits, ids, wts, _ROUTE_TICKETS[lin]),
+            (n, big_n, k, x.stride(0), logits.stride(0), lin.split, ids.shape[1]))
 
 
 def experts_fit(experts, x: torch.Tensor) -> bool:
@@ -1072,16 +1222,18 @@ PDL = True
 
 
 def _launch(cuda: ctypes.CDLL, fn: ctypes.c_void_p, grid: tuple[int, int, int], threads: int,
-            smem: int, tensors: tuple, ints: tuple) -> None:
-    """fn<<<grid, threads, smem>>> on torch's current stream with Q4_ARGS (the tensors'
-    addresses, then the ints), with PDL where `PDL` and kernels/triton_pdl.py allow; above 48
-    KB of dynamic shared memory the kernel is opted in first (once a size)."""
+            smem: int, tensors: tuple, ints: tuple, tail: tuple = ()) -> None:
+    """fn<<<grid, threads, smem>>> on torch's current stream with the tensors' addresses,
+    then the ints, then the tail's addresses (Q4_ARGS for most entries), with PDL where `PDL`
+    and kernels/triton_pdl.py allow; above 48 KB of dynamic shared memory the kernel is opted
+    in first (once a size)."""
     if smem > 48 * 1024 and (fn.value, smem) not in _BIG_SMEM:
         # (attribute 8: CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)
         if smem > 227 * 1024 or cuda.cuFuncSetAttribute(fn, 8, smem):
             raise ValueError(f"cuda_q4: {smem} bytes of shared memory: more than the device gives")
         _BIG_SMEM.add((fn.value, smem))
-    args = [ctypes.c_void_p(t.data_ptr()) for t in tensors] + [ctypes.c_int(v) for v in ints]
+    args = ([ctypes.c_void_p(t.data_ptr()) for t in tensors] + [ctypes.c_int(v) for v in ints]
+            + [ctypes.c_void_p(t.data_ptr()) for t in tail])
     argv = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p)
                                            for a in args])
     dev = tensors[0].device

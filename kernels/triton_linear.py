@@ -100,6 +100,16 @@ def _cuda_rows(lin: Q4Linear) -> bool:
     return bool(CUDA_MAX_ROWS) and lo <= lin.out_features <= CUDA_MAX_N
 
 
+def cuda_routed(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
+                residual: torch.Tensor | None = None) -> bool:
+    """Whether `linear` (no tile given) sends this q4 call to kernels/cuda_q4.py."""
+    n = x.shape[0]
+    if not (x.is_cuda and _cuda_rows(lin) and n <= CUDA_MAX_ROWS) or triton_f16.plan(lin, n, x):
+        return False
+    from kernels import cuda_q4
+    return cuda_q4.fits(lin, x, out, residual)
+
+
 def to_gpu_format(lin: Linear) -> Linear:
     """The storage the kernels read: q4 → q4_layout.Q4Linear (re-packed, fp16 scale/min);
     q8 → GpuLinear (fp16 scales); f32 stays as it is."""
@@ -243,10 +253,9 @@ def linear(lin: Linear, x: torch.Tensor, out: torch.Tensor | None = None,
             raise TypeError("q4 weights must be in GPU storage (kernels.triton_linear.to_gpu_format)")
         if tile is None and (dense := triton_f16.plan(lin, n, x)):  # dequantized once, fp16
             return triton_f16.linear(lin, x, out, residual, dense)
-        if tile is None and x.is_cuda and _cuda_rows(lin) and n <= CUDA_MAX_ROWS:
+        if tile is None and cuda_routed(lin, x, out, residual):
             from kernels import cuda_q4
-            if cuda_q4.fits(lin, x, out, residual):
-                return cuda_q4.linear(lin, x, out, residual)
+            return cuda_q4.linear(lin, x, out, residual)
         if (tile is None and CUDA_SWAP_MIN_ROWS and n >= CUDA_SWAP_MIN_ROWS and x.is_cuda
                 and lin.out_features >= q4_layout.SWAP_MAX_N):
             from kernels import cuda_q4

@@ -12,7 +12,7 @@ import pytest
 def _knobs(mode: str, expr: str) -> list[str]:
     code = (f"from bench.ab_modes import apply\napply({mode!r})\n"
             "from kernels import cuda_q4, moe_layout, q4_layout, triton_attention, triton_linear, "
-            "triton_moe, triton_pdl\n"
+            "triton_moe, triton_moe_route, triton_pdl\n"
             "from replica import memory\n"
             f"print({expr})")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -83,3 +83,9 @@ def test_the_head_split_mode_leaves_the_split_alone(mode, want):
                                        ("nopdl", "False True")])
 def test_the_cuda_launch_mode_leaves_the_triton_launches_alone(mode, want):
     assert _knobs(mode, "triton_pdl.ENABLED, cuda_q4.PDL") == want.split()
+
+
+@pytest.mark.parametrize("mode,want", [("pdl", "True True"), ("pdl_tritontopk", "False True"),
+                                       ("pdl_splitroute", "True False")])
+def test_the_route_modes_set_the_top_k_kernel(mode, want):
+    assert _knobs(mode, "triton_moe_route.CUDA_TOPK, triton_moe_route.FUSED_ROUTE") == want.split()
