@@ -53,6 +53,9 @@ def apply(mode: str) -> None:
     if 'splitroute' in mode:  # the CUDA top-k as its own kernel after the router's
         from kernels import triton_moe_route
         triton_moe_route.FUSED_ROUTE = False
+    if 'nol2' in mode:  # the CTA form without its L2 prefetch of the split
+        from kernels import cuda_q4
+        cuda_q4.CTA_L2 = False
     if 'cudaplain' in mode:  # cuda_q4's kernels on plain launches (v17's engine)
         from kernels import cuda_q4
         cuda_q4.PDL = False

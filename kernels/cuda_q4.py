@@ -112,6 +112,10 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
+}
+
 __device__ __forceinline__ void mma(float d[4], const unsigned a[4], const unsigned b[2]) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
                "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
@@ -219,7 +223,8 @@ template <bool ROWS16, int NT, int D, typename XT>
 __device__ __forceinline__ void ring_acc(float acc[NT][4], const unsigned char* __restrict__ qs,
                                          const unsigned* __restrict__ sm, const XT* x0,
                                          const XT* x1, bool v0, bool v1, int N, int k_lo,
-                                         int k_hi, int n0, int g, int c, int word, unsigned sel) {
+                                         int k_hi, int n0, int g, int c, int word, unsigned sel,
+                                         bool l2 = false) {
   unsigned w0[D][NT], w1[D][NT], wsm[D][NT];
   float2 xp[D][ROWS16 ? 8 : 4];
   const int nb = (k_hi - k_lo) >> 5;
@@ -232,6 +237,17 @@ __device__ __forceinline__ void ring_acc(float acc[NT][4], const unsigned char* 
   for (int j = 0; j < D; ++j) {  // the first D blocks' weights: before the wait (PDL)
     load_block<NT>(wb, sb, w0[j], w1[j], wsm[j]);
     wb += wstep; sb += N;
+  }
+  if (l2) {  // and the rest of the split's weights into L2 (under PDL: while the previous kernel runs)
+    constexpr int LINES = NT * 8 * 16 / 128;  // 128-byte lines of a block's nibbles for 8 NT columns
+    const int lane = threadIdx.x & 31;
+    const unsigned char* tq = qs + ((long)(k_lo >> 5) * N + n0) * 16;
+    const unsigned* ts = sm + (long)(k_lo >> 5) * N + n0;  // 32 NT bytes a block: within a line
+    for (int b = D + lane; b < nb; b += 32) {
+#pragma unroll
+      for (int l = 0; l < LINES; ++l) prefetch_l2(tq + (long)b * wstep + l * 128);
+      prefetch_l2(ts + (long)b * N);
+    }
   }
   pdl_wait();
 #pragma unroll
@@ -607,7 +623,9 @@ __device__ __forceinline__ void q4_cta(const float* __restrict__ x, const unsign
   float acc[NT][4];
 #pragma unroll
   for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-  ring_acc<ROWS16, NT, D>(acc, qs, sm, x0, x1, v0, v1, N, k_lo, k_hi, n0, g, c, word, sel);
+  ring_acc<ROWS16, NT, D>(acc, qs, sm, x0, x1, v0, v1, N, k_lo, k_hi, n0, g, c, word, sel,
+                          has_res & 2);
+  has_res &= 1;
   float* mine = part + sp * 16 * C;
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
@@ -769,9 +787,9 @@ __device__ __forceinline__ void q4_route(const float* __restrict__ x, const unsi
                                          const unsigned* __restrict__ sm, float* __restrict__ y,
                                          int* __restrict__ ids, float* __restrict__ wts,
                                          int* __restrict__ ticket, int M, int N, int K, int stride_x,
-                                         int stride_y, int S, int k) {
+                                         int stride_y, int S, int k, int flags) {
   __shared__ int last;
-  q4_cta<false, NT, D>(x, qs, sm, y, y, M, N, K, stride_x, stride_y, stride_y, S, 0);
+  q4_cta<false, NT, D>(x, qs, sm, y, y, M, N, K, stride_x, stride_y, stride_y, S, flags & 2);
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == (int)gridDim.x - 1;
@@ -786,8 +804,8 @@ __device__ __forceinline__ void q4_route(const float* __restrict__ x, const unsi
 #define Q4_ROUTE(W, THREADS, NT, D) extern "C" __global__ void __launch_bounds__(THREADS, 1) \
     q4_route##W##_##NT##_d##D(const float* x, const unsigned char* qs, const unsigned* sm, float* y, \
                               int* ids, float* wts, int* ticket, int M, int N, int K, int stride_x, \
-                              int stride_y, int S, int k) { \
-    q4_route<NT, D>(x, qs, sm, y, ids, wts, ticket, M, N, K, stride_x, stride_y, S, k); }
+                              int stride_y, int S, int k, int flags) { \
+    q4_route<NT, D>(x, qs, sm, y, ids, wts, ticket, M, N, K, stride_x, stride_y, S, k, flags); }
 Q4_ROUTE(, 256, 1, 2) Q4_ROUTE(, 256, 1, 4) Q4_ROUTE(, 256, 1, 8) Q4_ROUTE(, 256, 2, 2)
 Q4_ROUTE(, 256, 2, 4) Q4_ROUTE(, 256, 2, 8) Q4_ROUTE(w, 512, 1, 2) Q4_ROUTE(w, 512, 1, 4)
 Q4_ROUTE(w, 512, 1, 8) Q4_ROUTE(w, 512, 2, 2)
@@ -950,6 +968,10 @@ EXPERT_MAX_SPLIT = CTA_SPLITS_256  # the experts' CTA form: 256-thread entries o
 # at depth 8 a split of fewer blocks runs depth 4: H100, cold, o (16 blocks a split) 1 / 8 rows
 # 6.1 / 8.3 µs at depth 8, 5.8 / 7.2 at 4; qkv (32 blocks) 7.7 / 9.4 at 8, 8.1 / 9.7 at 4
 CTA_DEEP_BLOCKS = 32
+# the CTA form prefetches into L2, before its PDL wait, the blocks of its splits past the
+# ring's first (under PDL the kernel is scheduled while its predecessor runs, so the weights are
+# on their way early); no arithmetic changes, so no bit
+CTA_L2 = True
 SWAP_MT = 2  # the swapped form: m16 feature tiles a warp
 SWAP_WARPS = 4  # ... and warps a CTA
 EXPERT_COLS = 16  # the direct experts' CTA form: columns a warp
@@ -1093,7 +1115,7 @@ def _cta_linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
     _launch(cuda, fn, (big_n // cols, 1, -(-n // 16)), 32 * lin.split, lin.split * 16 * cols * 4,
             (x, lin.qs, sm, res, out, out, sm),
             (n, big_n, k, x.stride(0), res.stride(0), out.stride(0), lin.split,
-             int(residual is not None)))
+             int(residual is not None) | (2 if CTA_L2 else 0)))
     return out
 
 
@@ -1150,7 +1172,8 @@ def route(lin: Q4Linear, x: torch.Tensor, logits: torch.Tensor, ids: torch.Tenso
     fn = fns[f"q4_route{'w' if wide else ''}_{COLS // 8}_d{depth}".encode()]
     _launch(cuda, fn, (big_n // COLS, 1, 1), 32 * lin.split, lin.split * 16 * COLS * 4,
             (x, lin.qs, lin.sm.view(torch.int32), logits, ids, wts, _ROUTE_TICKETS[lin]),
-            (n, big_n, k, x.stride(0), logits.stride(0), lin.split, ids.shape[1]))
+            (n, big_n, k, x.stride(0), logits.stride(0), lin.split, ids.shape[1],
+             2 if CTA_L2 else 0))
 
 
 def experts_fit(experts, x: torch.Tensor) -> bool:
