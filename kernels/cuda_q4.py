@@ -216,6 +216,22 @@ __device__ __forceinline__ void lane_bytes(int c, unsigned& sel, int& word) {
   word = (c >> 1) * 4;
 }
 
+// The blocks from `first` of the split [k_lo, k_hi) of the 8 NT columns from n0 into L2, the
+// warp's lanes taking a block each in turn (weights only: no kernel writes them)
+template <int NT>
+__device__ __forceinline__ void prefetch_split(const unsigned char* __restrict__ qs,
+                                               const unsigned* __restrict__ sm, int N, int k_lo,
+                                               int k_hi, int n0, int first) {
+  constexpr int LINES = NT * 8 * 16 / 128;  // 128-byte lines of a block's nibbles
+  const unsigned char* tq = qs + ((long)(k_lo >> 5) * N + n0) * 16;
+  const unsigned* ts = sm + (long)(k_lo >> 5) * N + n0;  // 32 NT bytes a block: within a line
+  for (int b = first + (threadIdx.x & 31); b < (k_hi - k_lo) >> 5; b += 32) {
+#pragma unroll
+    for (int l = 0; l < LINES; ++l) prefetch_l2(tq + (long)b * N * 16 + l * 128);
+    prefetch_l2(ts + (long)b * N);
+  }
+}
+
 // acc += the split [k_lo, k_hi) of the 8 NT columns from n0, its blocks through a ring of D
 // register slots: D blocks' loads (weights and x) in flight ahead of the MMAs, which take the
 // blocks in ascending order. nb % D == 0 (the host picks D); the last round only computes.
@@ -238,17 +254,8 @@ __device__ __forceinline__ void ring_acc(float acc[NT][4], const unsigned char* 
     load_block<NT>(wb, sb, w0[j], w1[j], wsm[j]);
     wb += wstep; sb += N;
   }
-  if (l2) {  // and the rest of the split's weights into L2 (under PDL: while the previous kernel runs)
-    constexpr int LINES = NT * 8 * 16 / 128;  // 128-byte lines of a block's nibbles for 8 NT columns
-    const int lane = threadIdx.x & 31;
-    const unsigned char* tq = qs + ((long)(k_lo >> 5) * N + n0) * 16;
-    const unsigned* ts = sm + (long)(k_lo >> 5) * N + n0;  // 32 NT bytes a block: within a line
-    for (int b = D + lane; b < nb; b += 32) {
-#pragma unroll
-      for (int l = 0; l < LINES; ++l) prefetch_l2(tq + (long)b * wstep + l * 128);
-      prefetch_l2(ts + (long)b * N);
-    }
-  }
+  if (l2)  // and the rest of the split's weights into L2 (under PDL: while the previous kernel runs)
+    prefetch_split<NT>(qs, sm, N, k_lo, k_hi, n0, D);
   pdl_wait();
 #pragma unroll
   for (int j = 0; j < D; ++j) {  // their x: a kernel wrote it
@@ -665,19 +672,26 @@ __device__ __forceinline__ void q4_expert_cta(const void* __restrict__ xv, const
                                               const unsigned char* __restrict__ qs,
                                               const unsigned* __restrict__ sm, void* __restrict__ outv,
                                               int N, int K, int stride_x, int stride_out, int S,
-                                              int topk) {
+                                              int topk, int l2) {
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int C = 8 * NT;
   float* part = reinterpret_cast<float*>(smem);  // [S][C]: row 0 of each split's partial
   const int lane = threadIdx.x & 31, c = lane & 3, g = lane >> 2, sp = threadIdx.x >> 5;
   const int a = blockIdx.y, n0 = blockIdx.x * C;
-  pdl_wait();  // ids: the top-k's (gate_up) or read past gate_up's wait (down)
-  const long e = ids[a];
-  const unsigned char* qe = qs + e * ((long)(K >> 5) * N * 16);
-  const unsigned* se = sm + e * ((long)(K >> 5) * N);
+  const long per_expert = (long)(K >> 5) * N;  // an expert's blocks (and (scale, min) words)
   int k_lo, k_hi, word;
   unsigned sel;
   split_k(K, S, sp, k_lo, k_hi);
+  if (!GATE_UP && l2) {  // down: ids were written two kernels back (before gate_up's wait let
+    // this kernel be scheduled), so the expert's split can go to L2 while gate_up runs; only a
+    // prefetch: the loads below read ids again after the wait
+    const long e0 = ids[a];
+    prefetch_split<NT>(qs + e0 * per_expert * 16, sm + e0 * per_expert, N, k_lo, k_hi, n0, 0);
+  }
+  pdl_wait();  // ids: the top-k's (gate_up)
+  const long e = ids[a];
+  const unsigned char* qe = qs + e * per_expert * 16;
+  const unsigned* se = sm + e * per_expert;
   lane_bytes(c, sel, word);
   const bool v0 = g == 0;  // one row: the assignment's
   float acc[NT][4];
@@ -813,8 +827,8 @@ Q4_ROUTE(w, 512, 1, 8) Q4_ROUTE(w, 512, 2, 2)
 #define Q4_EXPERT(KIND, GU, NT, D) extern "C" __global__ void __launch_bounds__(256, 1) \
     q4_e##KIND##NT##_d##D(const void* x, const int* ids, const unsigned char* qs, \
                           const unsigned* sm, void* out, int N, int K, int stride_x, \
-                          int stride_out, int S, int topk) { \
-    q4_expert_cta<NT, D, GU>(x, ids, qs, sm, out, N, K, stride_x, stride_out, S, topk); }
+                          int stride_out, int S, int topk, int l2) { \
+    q4_expert_cta<NT, D, GU>(x, ids, qs, sm, out, N, K, stride_x, stride_out, S, topk, l2); }
 #define Q4_EXPERTS(KIND, GU) Q4_EXPERT(KIND, GU, 1, 2) Q4_EXPERT(KIND, GU, 1, 4) \
     Q4_EXPERT(KIND, GU, 1, 8) Q4_EXPERT(KIND, GU, 2, 2) Q4_EXPERT(KIND, GU, 2, 4) \
     Q4_EXPERT(KIND, GU, 2, 8) Q4_EXPERT(KIND, GU, 4, 2) Q4_EXPERT(KIND, GU, 4, 4)
@@ -970,7 +984,8 @@ EXPERT_MAX_SPLIT = CTA_SPLITS_256  # the experts' CTA form: 256-thread entries o
 CTA_DEEP_BLOCKS = 32
 # the CTA form prefetches into L2, before its PDL wait, the blocks of its splits past the
 # ring's first (under PDL the kernel is scheduled while its predecessor runs, so the weights are
-# on their way early); no arithmetic changes, so no bit
+# on their way early), and so does the experts' down its whole split; no arithmetic changes,
+# so no bit
 CTA_L2 = True
 SWAP_MT = 2  # the swapped form: m16 feature tiles a warp
 SWAP_WARPS = 4  # ... and warps a CTA
@@ -1216,7 +1231,7 @@ def experts_direct(x: torch.Tensor, ids: torch.Tensor, experts, inter: torch.Ten
             d //= 2
         _launch(cuda, fns[f"q4_e{kind}{cols // 8}_d{d}".encode()], (n // cols, t * top_k, 1),
                 32 * split, split * cols * 4, (src, ids, w, s.view(torch.int32), dst),
-                (n, k, src.stride(0), dst.stride(0), split, top_k))
+                (n, k, src.stride(0), dst.stride(0), split, top_k, int(CTA_L2)))
 
 
 def _check(x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None) -> None:
