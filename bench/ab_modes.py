@@ -47,18 +47,16 @@ def apply(mode: str) -> None:
     if 'tritonrouter' in mode:  # the router on the swapped Triton tile (v17's engine)
         from kernels import triton_linear
         triton_linear.CUDA_MIN_N = None
-    if 'tritontopk' in mode:  # the top-k on the Triton kernel, after the router (v17's engine)
+    if 'cudatopk' in mode or 'fusedroute' in mode:  # routes on cuda_q4's top-k, ...
         from kernels import triton_moe_route
-        triton_moe_route.CUDA_TOPK = False
-    if 'splitroute' in mode:  # the CUDA top-k as its own kernel after the router's
-        from kernels import triton_moe_route
-        triton_moe_route.FUSED_ROUTE = False
-    if 'nol2' in mode:  # the CTA form without its L2 prefetch of the split
+        triton_moe_route.CUDA_TOPK = True
+        triton_moe_route.FUSED_ROUTE = 'fusedroute' in mode  # ... fused into the router's CTAs
+    if 'cudal2' in mode:  # the CTA form prefetching its split into L2 before its PDL wait
         from kernels import cuda_q4
-        cuda_q4.CTA_L2 = False
-    if 'cudaplain' in mode:  # cuda_q4's kernels on plain launches (v17's engine)
+        cuda_q4.CTA_L2 = True
+    if 'cudapdl' in mode:  # cuda_q4's kernels launched with PDL
         from kernels import cuda_q4
-        cuda_q4.PDL = False
+        cuda_q4.PDL = True
     if 'nocta' in mode:  # cuda_q4's split programs with the ticket merge, not the CTA form
         from kernels import cuda_q4
         cuda_q4.CTA = False

@@ -42,8 +42,8 @@ reads for qkv at 64 rows) and wins only on the lm_head (16 rows: 86 against 102 
 experiments (`CTA` off, `triton_linear.CUDA_SWAP_MIN_ROWS`); PROBES time the split programs'
 parts (loads alone, no merge, two accumulator chains).
 
-Launched with programmatic dependent launch where the Triton kernels are (`PDL`,
-kernels/triton_pdl.py): a kernel is scheduled while its predecessor ends, issues its ring's
+Launched, with `PDL` on (not yet measured, so off), with programmatic dependent launch where
+the Triton kernels are (kernels/triton_pdl.py): a kernel is scheduled while its predecessor ends, issues its ring's
 first weight loads (no kernel writes the weights), and only then waits (`pdl_wait`) for what
 the predecessor wrote; the launch changes no arithmetic, so no bit.
 
@@ -985,8 +985,8 @@ CTA_DEEP_BLOCKS = 32
 # the CTA form prefetches into L2, before its PDL wait, the blocks of its splits past the
 # ring's first (under PDL the kernel is scheduled while its predecessor runs, so the weights are
 # on their way early), and so does the experts' down its whole split; no arithmetic changes,
-# so no bit
-CTA_L2 = True
+# so no bit. Off until measured (GPU_NOTES v18; bench/ab_modes.py `cudal2`)
+CTA_L2 = False
 SWAP_MT = 2  # the swapped form: m16 feature tiles a warp
 SWAP_WARPS = 4  # ... and warps a CTA
 EXPERT_COLS = 16  # the direct experts' CTA form: columns a warp
@@ -1255,8 +1255,10 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
 _PDL_ATTR = 3  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 # launch with programmatic dependent launch where triton_pdl does (Hopper and later): each
 # kernel loads its first ring blocks of weights before `pdl_wait`, so they are in flight while
-# the previous kernel ends, and the next kernel may be scheduled once every CTA has waited
-PDL = True
+# the previous kernel ends, and the next kernel may be scheduled once every CTA has waited.
+# Off until measured on a GPU (built in the nineteenth session, no machine came to run it:
+# GPU_NOTES v18; bench/ab_modes.py `cudapdl`)
+PDL = False
 
 
 def _launch(cuda: ctypes.CDLL, fn: ctypes.c_void_p, grid: tuple[int, int, int], threads: int,

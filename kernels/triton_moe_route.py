@@ -30,8 +30,10 @@ SCAN_MIN, SCAN_MAX = 256, 4096
 # (`topk_warp`: the picks on the logits, the weights exp(l - l_max) renormalized in rank order)
 # at every row count — one function, so the bits follow no batch — and at 1-8 rows whose
 # router runs its CTA form, fused into the router's kernel (FUSED_ROUTE: the last CTA picks).
-# Elsewhere (CPU, no NVRTC, no renormalization) _topk_kernel. Off: bench/ab_modes.py `tritontopk`
-CUDA_TOPK = True
+# Elsewhere (CPU, no NVRTC, no renormalization) _topk_kernel. Off until measured on a GPU
+# (built in the nineteenth session, no machine came to run it: GPU_NOTES v18;
+# bench/ab_modes.py `cudatopk`, `fusedroute`)
+CUDA_TOPK = False
 FUSED_ROUTE = True
 
 

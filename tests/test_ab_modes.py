@@ -79,13 +79,14 @@ def test_the_head_split_mode_leaves_the_split_alone(mode, want):
     assert _knobs(mode, "triton_attention.HEAD_SPLIT_PROGRAMS, triton_attention.SPLIT") == want.split()
 
 
-@pytest.mark.parametrize("mode,want", [("pdl", "True True"), ("pdl_cudaplain", "True False"),
-                                       ("nopdl", "False True")])
-def test_the_cuda_launch_mode_leaves_the_triton_launches_alone(mode, want):
-    assert _knobs(mode, "triton_pdl.ENABLED, cuda_q4.PDL") == want.split()
+@pytest.mark.parametrize("mode,want", [("pdl", "True False False"),
+                                       ("pdl_cudapdl_cudal2", "True True True"),
+                                       ("nopdl_cudapdl", "False True False")])
+def test_the_cuda_launch_modes_leave_the_triton_launches_alone(mode, want):
+    assert _knobs(mode, "triton_pdl.ENABLED, cuda_q4.PDL, cuda_q4.CTA_L2") == want.split()
 
 
-@pytest.mark.parametrize("mode,want", [("pdl", "True True"), ("pdl_tritontopk", "False True"),
-                                       ("pdl_splitroute", "True False")])
+@pytest.mark.parametrize("mode,want", [("pdl", "False True"), ("pdl_cudatopk", "True False"),
+                                       ("pdl_fusedroute", "True True")])
 def test_the_route_modes_set_the_top_k_kernel(mode, want):
     assert _knobs(mode, "triton_moe_route.CUDA_TOPK, triton_moe_route.FUSED_ROUTE") == want.split()

@@ -169,6 +169,8 @@ def test_a_chain_of_cuda_linears_under_pdl_in_a_graph_reads_each_input_after_it_
         monkeypatch.setattr(cuda_q4, "PDL", True)
         return out
 
+    monkeypatch.setattr(cuda_q4, "PDL", True)
+    monkeypatch.setattr(cuda_q4, "CTA_L2", True)
     chain()  # loads the module outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -266,6 +268,8 @@ def test_the_direct_experts_in_the_cta_form_give_the_split_programs_bits(monkeyp
         for cols, depth in ((16, 4), (8, 8), (32, 4), (16, 2)):
             monkeypatch.setattr(cuda_q4, "EXPERT_COLS", cols)
             monkeypatch.setattr(cuda_q4, "EXPERT_DEPTH", depth)
+            monkeypatch.setattr(cuda_q4, "PDL", depth == 4)  # launches and prefetches: no bit
+            monkeypatch.setattr(cuda_q4, "CTA_L2", depth == 4)
             got_i = torch.full_like(want_i, float("nan"))
             got_y = torch.full_like(want_y, float("nan"))
             calls = []
@@ -323,7 +327,8 @@ def test_the_cuda_top_k_picks_the_largest_logits_and_renormalizes_them(e, k):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("n,k,programs", [(128, 2048, 256), (128, 2048, 16), (64, 512, 4)])
-def test_the_fused_route_gives_the_router_and_top_k_bits_alone_or_among_others(n, k, programs):
+def test_the_fused_route_gives_the_router_and_top_k_bits_alone_or_among_others(monkeypatch, n, k,
+                                                                             programs):
     """cuda_q4.route (the router's CTA form, the last CTA picking the top-k): its logits are the
     CTA form's, its ids / wts those of `topk` on them, for a row alone or among 1-8 (and
     through triton_moe_route.route at 9-40 rows, unfused: the same bits); its ticket resets."""
@@ -345,5 +350,6 @@ def test_the_fused_route_gives_the_router_and_top_k_bits_alone_or_among_others(n
         assert torch.equal(ids, want_i[8 - m:]) and torch.equal(wts, want_w[8 - m:]), m
         assert cuda_q4._ROUTE_TICKETS[lin].item() == 0
     big_i, big_w = torch.empty(40, 8, dtype=torch.int32, device="cuda"), nan(40, 8)
+    monkeypatch.setattr(triton_moe_route, "CUDA_TOPK", True)
     triton_moe_route.route(x, lin, 8, True, big_i, big_w)
     assert torch.equal(big_i[:8], want_i) and torch.equal(big_w[:8], want_w)
