@@ -54,6 +54,9 @@ def apply(mode: str) -> None:
     if 'cudal2' in mode:  # the CTA form prefetching its split into L2 before its PDL wait
         from kernels import cuda_q4
         cuda_q4.CTA_L2 = True
+    if re.search(r'ctx[0-9]+', mode):  # the CTA form with x staged in shared memory, N deep
+        from kernels import cuda_q4
+        cuda_q4.CTA_XS = int(re.search(r'ctx([0-9]+)', mode).group(1))
     if 'cudapdl' in mode:  # cuda_q4's kernels launched with PDL
         from kernels import cuda_q4
         cuda_q4.PDL = True

@@ -651,6 +651,99 @@ __device__ __forceinline__ void q4_cta(const float* __restrict__ x, const unsign
   }
 }
 
+// ---- the CTA form with x staged (q4_ctx): the CTA's rows of x rounded to fp16 once into
+// shared memory (what each warp's ring rounded again per block and column tile), so the ring
+// holds only weights and may be deeper (D up to 16); each block's A fragments are read from
+// shared memory as it is computed. The same fp16 values into the same MMAs in the same order:
+// q4_cta's bits. Up to 8 rows (row r0 = g), up to 8 splits (256 threads); x rows 16-byte
+// aligned. Shared memory: the partials [S][16][C] floats, then x [M][K + 8] fp16 (the 8 pad
+// keeps a warp's fragment reads on distinct banks).
+template <int NT>
+__device__ __forceinline__ void block_mma_xs(float acc[NT][4], const __half* xp, bool v0,
+                                             unsigned sel, const unsigned w0[NT],
+                                             const unsigned w1[NT], const unsigned s[NT]) {
+  unsigned a_lo[4], a_hi[4];  // x_frag's: k = kb + 2c (+ 8) for the low chunk, + 16 (+ 24) high
+  a_lo[0] = v0 ? *reinterpret_cast<const unsigned*>(xp) : 0u;
+  a_lo[2] = v0 ? *reinterpret_cast<const unsigned*>(xp + 8) : 0u;
+  a_hi[0] = v0 ? *reinterpret_cast<const unsigned*>(xp + 16) : 0u;
+  a_hi[2] = v0 ? *reinterpret_cast<const unsigned*>(xp + 24) : 0u;
+  a_lo[1] = a_lo[3] = a_hi[1] = a_hi[3] = 0u;
+#pragma unroll
+  for (int i = 0; i < NT; ++i) {
+    unsigned lo[2], hi[2];
+    dequant(w0[i], w1[i], sel, s[i], lo, hi);
+    mma(acc[i], a_lo, lo);
+    mma(acc[i], a_hi, hi);
+  }
+}
+
+template <int NT, int D>
+__device__ __forceinline__ void q4_ctx(const float* __restrict__ x, const unsigned char* __restrict__ qs,
+                                       const unsigned* __restrict__ sm, const float* __restrict__ res,
+                                       float* __restrict__ y, int M, int N, int K, int stride_x,
+                                       int stride_res, int stride_y, int S, int has_res) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  constexpr int C = 8 * NT;
+  float* part = reinterpret_cast<float*>(smem);  // [S][16][C]
+  __half* xs = reinterpret_cast<__half*>(smem + S * 16 * C * 4);  // [M][K + 8]
+  const int ldx = K + 8;
+  const int lane = threadIdx.x & 31, c = lane & 3, g = lane >> 2, sp = threadIdx.x >> 5;
+  const int n0 = blockIdx.x * C;
+  int k_lo, k_hi, word;
+  unsigned sel;
+  split_k(K, S, sp, k_lo, k_hi);
+  lane_bytes(c, sel, word);
+  const bool v0 = g < M, l2 = has_res & 2;
+  has_res &= 1;
+  unsigned w0[D][NT], w1[D][NT], wsm[D][NT];
+  const int nb = (k_hi - k_lo) >> 5;
+  const long wstep = (long)N * 16;
+  const unsigned char* wb = qs + ((long)(k_lo >> 5) * N + n0 + g) * 16 + word;
+  const unsigned* sb = sm + (long)(k_lo >> 5) * N + n0 + g;
+#pragma unroll
+  for (int j = 0; j < D; ++j) {  // the first D blocks' weights: before the wait (PDL)
+    load_block<NT>(wb, sb, w0[j], w1[j], wsm[j]);
+    wb += wstep; sb += N;
+  }
+  if (l2) prefetch_split<NT>(qs, sm, N, k_lo, k_hi, n0, D);
+  pdl_wait();
+  for (int i = threadIdx.x; i < M * (K >> 2); i += blockDim.x) {  // x → fp16, once a CTA
+    const int r = i / (K >> 2), k4 = (i - r * (K >> 2)) << 2;
+    const float4 v = __ldg(reinterpret_cast<const float4*>(x + (long)r * stride_x + k4));
+    *reinterpret_cast<uint2*>(xs + r * ldx + k4) =
+        make_uint2(half2_bits(__floats2half2_rn(v.x, v.y)), half2_bits(__floats2half2_rn(v.z, v.w)));
+  }
+  __syncthreads();
+  const __half* xr = xs + (v0 ? g : 0) * ldx + k_lo + 2 * c;
+  float acc[NT][4];
+#pragma unroll
+  for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  for (int r = 0; r < nb; r += D) {  // blocks ascending; the next round's loads behind each
+#pragma unroll
+    for (int j = 0; j < D; ++j) {
+      block_mma_xs<NT>(acc, xr + (r + j) * 32, v0, sel, w0[j], w1[j], wsm[j]);
+      if (r + D < nb) {
+        load_block<NT>(wb, sb, w0[j], w1[j], wsm[j]);
+        wb += wstep; sb += N;
+      }
+    }
+  }
+  float* mine = part + sp * 16 * C;
+#pragma unroll
+  for (int i = 0; i < NT; ++i) {
+    const int cc = 8 * i + 2 * c;
+    *reinterpret_cast<float2*>(mine + g * C + cc) = make_float2(acc[i][0], acc[i][1]);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < M * C; e += blockDim.x) {  // rows < M: q4_cta's merge
+    const int r = e / C;
+    float v = part[e];
+    for (int q = 1; q < S; ++q) v = v + part[q * 16 * C + e];  // split order 0..S-1
+    const long cc = n0 + e % C;
+    y[(long)r * stride_y + cc] = has_res ? res[(long)r * stride_res + cc] + v : v;
+  }
+}
+
 // ---- the direct MoE experts in the CTA form (triton_moe's direct split programs, 1-8 tokens):
 // a CTA one assignment a (its token t = a / topk, its expert ids[a]) and one column tile of
 // 8 NT columns, warp w its K split w; the partials summed in split order through shared memory.
@@ -861,6 +954,11 @@ extern "C" __global__ void q4_probe3(Q4_ARGS) { q4_split<false, 2, 0, 3>(Q4_PASS
 Q4_CTA(8, 1, 2) Q4_CTA(8, 1, 4) Q4_CTA(8, 1, 8) Q4_CTA(8, 2, 2) Q4_CTA(8, 2, 4) Q4_CTA(8, 2, 8)
 Q4_CTA(8, 4, 2) Q4_CTA(8, 4, 4) Q4_CTA(16, 1, 2) Q4_CTA(16, 1, 4) Q4_CTA(16, 2, 2)
 Q4_CTA(16, 2, 4) Q4_CTA(16, 4, 2) Q4_CTA(16, 4, 4)
+// the CTA form with x staged (q4_ctx): entries q4_ctx_{NT}_d{D}, up to 8 rows and 8 splits
+#define Q4_CTX(NT, D) extern "C" __global__ void __launch_bounds__(256, 1) \
+    q4_ctx_##NT##_d##D(Q4_ARGS) { \
+    q4_ctx<NT, D>(x, qs, sm, res, y, M, N, K, stride_x, stride_res, stride_y, S, has_res); }
+Q4_CTX(1, 4) Q4_CTX(1, 8) Q4_CTX(1, 16) Q4_CTX(2, 4) Q4_CTX(2, 8) Q4_CTX(2, 16)
 // 9-16 splits (the router's 16): 512 threads a CTA, the rings that fit 128 registers unspilled
 #define Q4_CTAW(ROWS, NT, D) extern "C" __global__ void __launch_bounds__(512, 1) \
     q4_ctaw##ROWS##_##NT##_d##D(Q4_ARGS) { \
@@ -968,6 +1066,7 @@ ENTRIES += tuple(f"q4_route{'w' if wide else ''}_{nt}_d{d}".encode()
                  for wide, forms in ((False, ((1, 8), (2, 8))), (True, ((1, 8), (2, 2))))
                  for nt, top in forms for d in (2, 4, 8) if d <= top)
 ENTRIES += (b"route_topk",)
+ENTRIES += tuple(f"q4_ctx_{nt}_d{d}".encode() for nt in (1, 2) for d in (4, 8, 16))
 ROUTE_MAX_E, ROUTE_MAX_K = 256, 32  # the CUDA top-k: logits a row (8 a lane), picks (a lane each)
 STREAM = 0  # the depth that names the other form: the warp's split streamed into shared memory
 PROBES = (b"q4_probe1", b"q4_probe2", b"q4_probe3")  # bench only: 16 columns, <= 8 rows, streamed
@@ -987,6 +1086,10 @@ CTA_DEEP_BLOCKS = 32
 # on their way early), and so does the experts' down its whole split; no arithmetic changes,
 # so no bit. Off until measured (GPU_NOTES v18; bench/ab_modes.py `cudal2`)
 CTA_L2 = False
+# the CTA form at 1-8 rows and up to 8 splits with x staged in shared memory as fp16 (q4_ctx),
+# its weight ring this deep (4, 8 or 16; halved to whole rounds): q4_cta's bits. None: off
+# (built in the nineteenth session, unmeasured; bench/ab_modes.py `ctxN`)
+CTA_XS: int | None = None
 SWAP_MT = 2  # the swapped form: m16 feature tiles a warp
 SWAP_WARPS = 4  # ... and warps a CTA
 EXPERT_COLS = 16  # the direct experts' CTA form: columns a warp
@@ -1058,7 +1161,7 @@ def _tickets(lin: Q4Linear, cols: int) -> torch.Tensor:
 def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
            residual: torch.Tensor | None = None, cols: int | None = None, warps: int = 1,
            depth: int | None = None, probe: bytes | None = None,
-           cta: bool | None = None) -> torch.Tensor:
+           cta: bool | None = None, xs: int | None = None) -> torch.Tensor:
     """out [n, N] = x @ W.T (+ residual), as kernels/triton_q4.py `linear` with LINEAR_TILE and
     parallel splits computes it; x [n, K] float32 contiguous rows, CUDA tensors; N a multiple
     of `cols` (8, 16 or 32 columns a warp; `warps` warps a CTA), K of 64; `depth` (2, 4 or 8)
@@ -1066,12 +1169,16 @@ def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
     shared memory at once.
     probe: a PROBES kernel to launch instead (bench only: wrong values). cta (default CTA):
     the CTA form where it applies (a ring depth, ≤ CTA_MAX_SPLIT splits), a CTA the splits of
-    a column tile (`warps` ignored)."""
+    a column tile (`warps` ignored); xs (default CTA_XS): that form with x staged in shared
+    memory, its ring `xs` deep, where it applies (≤ 8 rows and splits, 8 or 16 columns)."""
     n, big_n, k = x.shape[0], lin.out_features, lin.in_features
     chosen = depth is not None
     cols, depth = cols or COLS, DEPTH if depth is None else depth
     cta = CTA if cta is None else cta
+    xs = CTA_XS if xs is None else xs
     if cta and probe is None and depth != STREAM and cta_takes(lin, cols):
+        if xs and _xs_takes(lin, x, cols):
+            return _ctx_linear(lin, x, out, residual, cols, xs)
         return _cta_linear(lin, x, out, residual, cols, depth, chosen)
     _check(x, out, residual)
     if cols not in (8, 16, 32) or big_n % cols or k % 64 or LINEAR_TILE.bk != 64 \
@@ -1129,6 +1236,37 @@ def _cta_linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
     fn = fns[f"q4_cta{'w' if wide else ''}{rows}_{cols // 8}_d{depth}".encode()]
     _launch(cuda, fn, (big_n // cols, 1, -(-n // 16)), 32 * lin.split, lin.split * 16 * cols * 4,
             (x, lin.qs, sm, res, out, out, sm),
+            (n, big_n, k, x.stride(0), res.stride(0), out.stride(0), lin.split,
+             int(residual is not None) | (2 if CTA_L2 else 0)))
+    return out
+
+
+def _xs_takes(lin: Q4Linear, x: torch.Tensor, cols: int) -> bool:
+    """Whether q4_ctx takes lin and x at `cols` columns a warp."""
+    return (x.shape[0] <= 8 and lin.split <= CTA_SPLITS_256 and cols in (8, 16)
+            and x.data_ptr() % 16 == 0 and x.stride(0) % 4 == 0)
+
+
+def _ctx_linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
+                residual: torch.Tensor | None, cols: int, depth: int) -> torch.Tensor:
+    """`linear` in the CTA form with x staged in shared memory (q4_ctx), a ring `depth`
+    blocks deep (4, 8 or 16; halved to whole rounds)."""
+    n, big_n, k = x.shape[0], lin.out_features, lin.in_features
+    _check(x, out, residual)
+    if depth not in (4, 8, 16) or big_n % cols or k % 64 or not _xs_takes(lin, x, cols):
+        raise ValueError("cuda_q4: the staged-x CTA form needs depth 4, 8 or 16, ≤ 8 rows of "
+                         "16-byte aligned x, ≤ 8 splits, 8 or 16 columns dividing N, K a "
+                         "multiple of 64")
+    blocks = -(-k // 64 // lin.split) * 2
+    while blocks % depth and depth > 1:
+        depth //= 2
+    if depth < 4:
+        return _cta_linear(lin, x, out, residual, cols, DEPTH)
+    cuda, fns = _functions(x.device.index or 0)
+    res = residual if residual is not None else out
+    smem = lin.split * 16 * cols * 4 + n * (k + 8) * 2
+    _launch(cuda, fns[f"q4_ctx_{cols // 8}_d{depth}".encode()], (big_n // cols, 1, 1),
+            32 * lin.split, smem, (x, lin.qs, lin.sm.view(torch.int32), res, out, out, x),
             (n, big_n, k, x.stride(0), res.stride(0), out.stride(0), lin.split,
              int(residual is not None) | (2 if CTA_L2 else 0)))
     return out

@@ -90,3 +90,8 @@ def test_the_cuda_launch_modes_leave_the_triton_launches_alone(mode, want):
                                        ("pdl_fusedroute", "True True")])
 def test_the_route_modes_set_the_top_k_kernel(mode, want):
     assert _knobs(mode, "triton_moe_route.CUDA_TOPK, triton_moe_route.FUSED_ROUTE") == want.split()
+
+
+@pytest.mark.parametrize("mode,want", [("pdl", "None 8"), ("pdl_ctx16", "16 8")])
+def test_the_staged_x_mode_sets_its_ring_depth_alone(mode, want):
+    assert _knobs(mode, "cuda_q4.CTA_XS, cuda_q4.DEPTH") == want.split()

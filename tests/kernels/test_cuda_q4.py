@@ -49,6 +49,9 @@ def test_every_kernel_waits_on_its_predecessor_and_the_ring_loads_weights_before
             wait = body.index("griddepcontrol.wait;")
             assert body.index("ld.global.nc") < wait, name  # the weights: before
             assert re.search(r"ld\.global\.nc\.v2\.f32", body[wait:]), name  # x: after
+        if name.startswith("q4_ctx"):  # x staged once, after the wait
+            wait = body.index("griddepcontrol.wait;")
+            assert body.index("ld.global.nc") < wait < body.index("ld.global.nc.v4.f32"), name
 
 
 def test_the_cuda_q4_linear_refuses_what_its_kernel_cannot_take():
@@ -121,7 +124,8 @@ def test_the_cuda_q4_kernel_gives_the_decode_tile_bits(n, k):
 def test_the_cta_form_gives_the_decode_tile_bits(n, k, programs):
     """q4_cta (a CTA a column tile's splits, merged in shared memory): the split programs'
     bits at 1-40 rows (one and several row tiles), with and without the residual, for split
-    counts of 1-16 (the weights re-split for `programs`; above 8 the 512-thread entries)."""
+    counts of 1-16 (the weights re-split for `programs`; above 8 the 512-thread entries);
+    q4_ctx (x staged in shared memory) at 1-8 rows and up to 8 splits."""
     from bench.kernel_bench import rand_q4
     from kernels import q4_layout, triton_q4
 
@@ -141,6 +145,13 @@ def test_the_cta_form_gives_the_decode_tile_bits(n, k, programs):
             assert torch.equal(got, want), (m, cols, depth, lin.split, float((got - want).abs().max()))
             got = cuda_q4.linear(lin, x, nan(m), cols=cols, depth=depth, cta=True)
             assert torch.equal(got, bare), (m, cols, depth, lin.split)
+        for cols, xs in ((16, 16), (16, 8), (8, 16), (16, 4)):  # x staged in shared memory
+            if m > 8 or lin.split > cuda_q4.CTA_SPLITS_256 or n % cols:
+                continue
+            got = cuda_q4.linear(lin, x, nan(m), res, cols=cols, cta=True, xs=xs)
+            assert torch.equal(got, want), (m, cols, "xs", xs, lin.split)
+            got = cuda_q4.linear(lin, x, nan(m), cols=cols, cta=True, xs=xs)
+            assert torch.equal(got, bare), (m, cols, "xs", xs, lin.split)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
