@@ -57,6 +57,9 @@ def apply(mode: str) -> None:
     if re.search(r'ctx[0-9]+', mode):  # the CTA form with x staged in shared memory, N deep
         from kernels import cuda_q4
         cuda_q4.CTA_XS = int(re.search(r'ctx([0-9]+)', mode).group(1))
+    if 'kvpf' in mode:  # paged attention prefetching its split's K / V into L2 before its wait
+        from kernels import triton_attention
+        triton_attention.PREFETCH_KV = True
     if 'cudapdl' in mode:  # cuda_q4's kernels launched with PDL
         from kernels import cuda_q4
         cuda_q4.PDL = True

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels import triton_pdl
-from kernels.triton_pdl import pdl_wait
+from kernels.triton_pdl import pdl_wait, prefetch_l2
 
 SPLIT = 512  # keys per split (fixed: a property of the kernel, not of the batch)
 BLOCK_N = 32  # keys per inner tile (fp32 K/V); SPLIT % BLOCK_N == 0
@@ -42,6 +42,11 @@ WARPS, STAGES = 8, 3
 # not depend on which heads share its program: the split may follow the batch (unlike SPLIT).
 # None: off (unmeasured; bench/ab_modes.py `hsplitN`)
 HEAD_SPLIT_PROGRAMS: int | None = None
+# under PDL, before its wait, each split program prefetches into L2 the K and V rows of its
+# split (the block table, the token's row and context length are the step's inputs; a row the
+# previous kernel is still writing may be fetched early — only a prefetch: the loads after the
+# wait read it). No arithmetic changes, so no bit. Off: unmeasured (bench/ab_modes.py `kvpf`)
+PREFETCH_KV = False
 
 
 @triton.jit
@@ -55,6 +60,23 @@ def _kv_tile(k_ptr, v_ptr, bt_ptr, row, stride_bt, start, hi, kvh, KVH: tl.const
     k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0)
     v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0)
     return k, v, valid
+
+
+@triton.jit
+def _prefetch_kv(k_ptr, v_ptr, bt_ptr, row_ptr, ctx_ptr, t, kvh, sp, stride_bt,
+                 KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SPLIT: tl.constexpr,
+                 LINES: tl.constexpr):
+    """The K and V rows (LINES 128-byte lines a key) of keys [sp*SPLIT, (sp+1)*SPLIT) of token
+    t's stream for kv head kvh, into L2: one block-table read for the split, then the lines."""
+    ctx = tl.load(ctx_ptr + t)
+    row = tl.load(row_ptr + t).to(tl.int64)
+    pos = sp * SPLIT + tl.arange(0, SPLIT)
+    valid = pos < ctx
+    blk = tl.load(bt_ptr + row * stride_bt + pos // BS, mask=valid, other=0).to(tl.int64)
+    off = ((blk * BS + pos % BS) * KVH + kvh)[:, None] * D \
+        + (tl.arange(0, LINES) * (D // LINES))[None, :]
+    prefetch_l2(k_ptr + off, valid[:, None])
+    prefetch_l2(v_ptr + off, valid[:, None])
 
 
 @triton.jit
@@ -82,13 +104,17 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, row_ptr, ctx_ptr, out_ptr, p
                        H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, SPLIT: tl.constexpr,
                        BLOCK_N: tl.constexpr, PREC: tl.constexpr, MMA: tl.constexpr,
-                       PDL: tl.constexpr, HS: tl.constexpr = 1):
+                       PDL: tl.constexpr, HS: tl.constexpr = 1, LINES: tl.constexpr = 0):
     """Program (token, kv head x HS, split): the split's keys for GROUP // HS query heads of
-    the kv head (HS > 1: its heads dealt over HS programs; the same bits a head)."""
-    pdl_wait(PDL)
+    the kv head (HS > 1: its heads dealt over HS programs; the same bits a head). LINES > 0
+    (PDL only): the split's K / V rows prefetched into L2 before the wait."""
     t = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1) // HS
     sp = tl.program_id(2)
+    if PDL and LINES > 0:
+        _prefetch_kv(k_ptr, v_ptr, bt_ptr, row_ptr, ctx_ptr, t, kvh, sp, stride_bt, KVH, D, BS,
+                     SPLIT, LINES)
+    pdl_wait(PDL)
     ctx = tl.load(ctx_ptr + t)
     n_splits = tl.cdiv(ctx, SPLIT)
     g = tl.arange(0, GROUP_PAD)
@@ -214,7 +240,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q, k_cache, v_cache, block_tables, tok_row, ctx_lens, out, pacc, pml,
         block_tables.stride(0), max_splits, scale, H=h, KVH=kvh, D=d, BS=bs, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), SPLIT=split, BLOCK_N=block_n,
-        PREC=PRECISION, MMA=q.device.type == "cuda", HS=hs, num_warps=WARPS,
+        PREC=PRECISION, MMA=q.device.type == "cuda", HS=hs,
+        LINES=max(1, d * k_cache.element_size() // 128) if PREFETCH_KV else 0, num_warps=WARPS,
         num_stages=STAGES, **triton_pdl.launch(q))
     if max_splits > 1:
         _attn_merge_kernel[(t, h)](ctx_lens, out, pacc, pml, max_splits, H=h, D=d, SPLIT=split,

@@ -74,9 +74,11 @@ def test_the_router_mode_lowers_the_cuda_linears_output_floor(mode, want):
     assert _knobs(mode, "triton_linear.CUDA_MIN_N") == want.split()
 
 
-@pytest.mark.parametrize("mode,want", [("pdl", "None 512"), ("pdl_hsplit128", "128 512")])
-def test_the_head_split_mode_leaves_the_split_alone(mode, want):
-    assert _knobs(mode, "triton_attention.HEAD_SPLIT_PROGRAMS, triton_attention.SPLIT") == want.split()
+@pytest.mark.parametrize("mode,want", [("pdl", "None 512 False"), ("pdl_hsplit128", "128 512 False"),
+                                       ("pdl_kvpf", "None 512 True")])
+def test_the_head_split_and_prefetch_modes_leave_the_split_alone(mode, want):
+    assert _knobs(mode, "triton_attention.HEAD_SPLIT_PROGRAMS, triton_attention.SPLIT, "
+                        "triton_attention.PREFETCH_KV") == want.split()
 
 
 @pytest.mark.parametrize("mode,want", [("pdl", "True False False"),

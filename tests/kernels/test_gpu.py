@@ -147,6 +147,13 @@ def test_paged_attention_at_real_shapes_and_bitwise_alone(dtype):
                 torch.zeros(1, dtype=torch.int32, device=DEV), ctx[i:i + 1].contiguous(),
                 d ** -0.5, nan(1, h, d), head_split=hs)
             assert torch.equal(split[0], out[i]), (i, hs)
+    prefetch = triton_attention.PREFETCH_KV
+    try:  # the split's K / V prefetched into L2 before the wait: no arithmetic, so the bits
+        triton_attention.PREFETCH_KV = True
+        again = triton_attention.paged_attention(q, kc, vc, tables, rows, ctx, d ** -0.5, nan(t, h, d))
+    finally:
+        triton_attention.PREFETCH_KV = prefetch
+    assert torch.equal(again, out)
 
 
 @functools.lru_cache(maxsize=1)
