@@ -1417,7 +1417,7 @@ def _launch(cuda: ctypes.CDLL, fn: ctypes.c_void_p, grid: tuple[int, int, int], 
     dev = tensors[0].device
     stream = ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream)
     with torch.cuda.device(dev):  # the module's context current (a replica on cuda:1, say)
-        if PDL and triton_pdl.pdl(tensors[0]):
+        if PDL and triton_pdl.pdl(tensors[0]) and hasattr(cuda, "cuLaunchKernelEx"):  # (CUDA 12+)
             attr = _LaunchAttr(id=_PDL_ATTR, value=1)
             cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(threads, 1, 1),
                                 smem, stream, ctypes.pointer(attr), 1)
