@@ -1390,7 +1390,7 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
                 ("attrs", ctypes.POINTER(_LaunchAttr)), ("num_attrs", ctypes.c_uint)]
 
 
-_PDL_ATTR = 3  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_PDL_ATTR = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 # launch with programmatic dependent launch where triton_pdl does (Hopper and later): each
 # kernel loads its first ring blocks of weights before `pdl_wait`, so they are in flight while
 # the previous kernel ends, and the next kernel may be scheduled once every CTA has waited.

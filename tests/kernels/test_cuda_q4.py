@@ -54,6 +54,33 @@ def test_every_kernel_waits_on_its_predecessor_and_the_ring_loads_weights_before
             assert body.index("ld.global.nc") < wait < body.index("ld.global.nc.v4.f32"), name
 
 
+def test_the_launch_structures_match_the_driver_header(tmp_path):
+    """cuLaunchKernelEx's CUlaunchConfig / CUlaunchAttribute as cuda_q4 lays them out in
+    ctypes, and the PDL attribute's number, against cuda.h (compiled with the host's C
+    compiler)."""
+    import ctypes
+    import shutil
+
+    header, cc = cuda_q4._find("cuda.h"), shutil.which("cc") or shutil.which("gcc")
+    if header is None or cc is None:
+        pytest.skip("needs cuda.h (nvidia-cuda-runtime-cu12) and a C compiler")
+    src = tmp_path / "layout.c"
+    src.write_text("#include <stdio.h>\n#include <stddef.h>\n#include \"cuda.h\"\nint main(void) {"
+                   " printf(\"%zu %zu %zu %zu %zu %zu %d\", sizeof(CUlaunchAttribute),"
+                   " offsetof(CUlaunchAttribute, value), sizeof(CUlaunchConfig),"
+                   " offsetof(CUlaunchConfig, sharedMemBytes), offsetof(CUlaunchConfig, hStream),"
+                   " offsetof(CUlaunchConfig, attrs),"
+                   " (int)CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION); return 0; }\n")
+    exe = tmp_path / "layout"
+    subprocess.run([cc, f"-I{os.path.dirname(header)}", str(src), "-o", str(exe)], check=True,
+                   capture_output=True)
+    want = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()
+    cfg = cuda_q4._LaunchConfig
+    got = [ctypes.sizeof(cuda_q4._LaunchAttr), cuda_q4._LaunchAttr.value.offset, ctypes.sizeof(cfg),
+           cfg.shared.offset, cfg.stream.offset, cfg.attrs.offset, cuda_q4._PDL_ATTR]
+    assert [int(w) for w in want] == got
+
+
 def test_the_cuda_q4_linear_refuses_what_its_kernel_cannot_take():
     from kernels import q4_layout
     from kernels.linear import quantize_q4
