@@ -65,7 +65,7 @@ import weakref
 
 import torch
 
-from kernels import q4_layout, triton_pdl
+from kernels import q4_layout
 from kernels.q4_layout import LINEAR_TILE, Q4Linear
 
 SOURCE = r"""
@@ -1414,6 +1414,8 @@ def _launch(cuda: ctypes.CDLL, fn: ctypes.c_void_p, grid: tuple[int, int, int], 
             + [ctypes.c_void_p(t.data_ptr()) for t in tail])
     argv = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p)
                                            for a in args])
+    from kernels import triton_pdl  # (here: importing triton at module import would keep the
+    # interpreter tests from setting TRITON_INTERPRET first in a process that imported this)
     dev = tensors[0].device
     stream = ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream)
     with torch.cuda.device(dev):  # the module's context current (a replica on cuda:1, say)

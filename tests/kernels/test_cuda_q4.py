@@ -81,6 +81,16 @@ def test_the_launch_structures_match_the_driver_header(tmp_path):
     assert [int(w) for w in want] == got
 
 
+def test_importing_cuda_q4_leaves_triton_unimported():
+    """tests/kernels/test_triton_kernels.py must set TRITON_INTERPRET before triton is first
+    imported, and the suite imports this module earlier in the same process."""
+    import sys
+
+    code = "import sys, kernels.cuda_q4; print('triton' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-500:]
+
+
 def test_the_cuda_q4_linear_refuses_what_its_kernel_cannot_take():
     from kernels import q4_layout
     from kernels.linear import quantize_q4
