@@ -42,6 +42,28 @@ def replica_stats(num_replicas: int) -> dict[str, dict]:
     return seen
 
 
+def ingress_reaches(url: str, num_replicas: int, headers: dict | None = None,
+                    timeout: float = 120) -> None:
+    """Wait until the ingress's own router reaches num_replicas replicas (GET
+    /v1/fedserve/status goes through it): its view of the running replicas can lag the
+    driver's for a while after a start, and a burst placed before then sees only one."""
+    import time
+
+    import httpx
+
+    deadline = time.time() + timeout
+    while True:
+        try:
+            got = len(httpx.get(f"{url}/v1/fedserve/status", headers=headers or {},
+                                timeout=60).json()["replicas"])
+        except (httpx.HTTPError, KeyError, ValueError):
+            got = 0
+        if got >= num_replicas:
+            return
+        assert time.time() < deadline, f"the ingress reaches {got} of {num_replicas} replicas"
+        time.sleep(0.5)
+
+
 def stream_chat(url: str, body: dict, headers: dict | None = None, on_line=None,
                 timeout: float = 240) -> tuple[str, dict]:
     """POST a streamed chat; returns its content text and the response headers. No frame may be

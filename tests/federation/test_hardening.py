@@ -22,7 +22,7 @@ import pytest
 import ray
 
 from replica.wire import Reach
-from tests.federation.live import federation, replica_stats, stream_chat
+from tests.federation.live import federation, ingress_reaches, replica_stats, stream_chat
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"
@@ -85,6 +85,7 @@ def statuses(outcomes: list) -> list:
 def test_directory_restart_loses_no_request_and_is_refilled_from_replicas(fed):
     url, _ = fed
     live_replicas(2)
+    ingress_reaches(url, 2, AUTH_A)  # the first burst must see both (the module's first test)
     sessions = [f"dir-{i}" for i in range(8)]
     convs = {s: [{"role": "user", "content": f"Session {s}: name a color."}] for s in sessions}
 

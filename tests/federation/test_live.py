@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from replica.wire import Reach
-from tests.federation.live import federation, replica_stats, stream_chat
+from tests.federation.live import federation, ingress_reaches, replica_stats, stream_chat
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"
@@ -73,6 +73,7 @@ def test_headers_name_session_and_replica(fed):
 def test_sessions_stick_spread_and_reuse_kv(fed):
     """12 sessions × 3 turns, concurrently: each session on one replica, both replicas used."""
     url = fed[0]
+    ingress_reaches(url, 2)
     where: dict[int, set[str]] = {i: set() for i in range(12)}
     cached: list[int] = []
 
