@@ -1297,11 +1297,12 @@ def topk_fits(e: int, top_k: int, x: torch.Tensor) -> bool:
             and available(x.device.index or 0))
 
 
-def route_fits(lin: Q4Linear, x: torch.Tensor, logits: torch.Tensor) -> bool:
-    """Whether `route` (the router's CTA form with the top-k fused) takes lin, x and logits:
-    up to 8 rows, COLS columns a warp (8 or 16), a ring depth, and the CTA form's splits."""
+def route_fits(lin: Q4Linear, x: torch.Tensor) -> bool:
+    """Whether `route` (the router's CTA form with the top-k fused) takes lin and x, given
+    operands that `fits` takes (triton_linear.cuda_routed checked it): up to 8 rows, COLS
+    columns a warp (8 or 16), a ring depth, and the CTA form's splits."""
     return (x.shape[0] <= 8 and COLS in (8, 16) and DEPTH != STREAM and CTA
-            and cta_takes(lin, COLS) and fits(lin, x, logits))
+            and cta_takes(lin, COLS))
 
 
 def topk(logits: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor) -> None:

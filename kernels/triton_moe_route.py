@@ -161,7 +161,7 @@ def route(x: torch.Tensor, router: Linear, top_k: int, norm_topk_prob: bool,
         from kernels import cuda_q4
         if cuda_q4.topk_fits(e, top_k, x):  # every route of the device on the CUDA top-k
             if (router.fmt == "q4" and FUSED_ROUTE and triton_linear.cuda_routed(router, x, logits)
-                    and cuda_q4.route_fits(router, x, logits)):
+                    and cuda_q4.route_fits(router, x)):
                 cuda_q4.route(router, x, logits, ids, wts)  # the router's CTA form + the top-k
             else:
                 linear(router, x, logits, tile=None if router.fmt == "q4" else ROUTER_TILE)

@@ -391,7 +391,7 @@ def test_the_fused_route_gives_the_router_and_top_k_bits_alone_or_among_others(m
     want_i, want_w = torch.empty(8, 8, dtype=torch.int32, device="cuda"), nan(8, 8)
     cuda_q4.topk(want_l, want_i, want_w)
     for m in (1, 3, 8):
-        assert cuda_q4.route_fits(lin, x[:m], nan(m, n))
+        assert cuda_q4.fits(lin, x[:m], nan(m, n)) and cuda_q4.route_fits(lin, x[:m])
         logits, ids, wts = nan(m, n), torch.full((m, 8), -5, dtype=torch.int32, device="cuda"), nan(m, 8)
         cuda_q4.route(lin, x[8 - m:8], logits, ids, wts)
         assert torch.equal(logits, want_l[8 - m:]), m
