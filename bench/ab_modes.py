@@ -60,6 +60,9 @@ def apply(mode: str) -> None:
     if 'kvpf' in mode:  # paged attention prefetching its split's K / V into L2 before its wait
         from kernels import triton_attention
         triton_attention.PREFETCH_KV = True
+    if 'fusednorm' in mode:  # RMSNorm in CUDA; the attention's fused into qkv's staged x
+        from kernels import cuda_q4
+        cuda_q4.NORM = True
     if 'cudapdl' in mode:  # cuda_q4's kernels launched with PDL
         from kernels import cuda_q4
         cuda_q4.PDL = True

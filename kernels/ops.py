@@ -40,6 +40,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return triton_norm.rms_norm(x, weight, eps)
 
 
+def norm_linear(lin, h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """linear(lin, rms_norm(h, weight, eps)) (CUDA: one kernel where kernels/cuda_q4.py fuses
+    them, the same bits)."""
+    if not _triton(h):
+        return cpu.linear(lin, cpu.rms_norm(h, weight, eps))
+    from kernels import triton_linear
+
+    return triton_linear.norm_linear(lin, h, weight, eps)
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gate, up [n, K] f32 → [n, K]: silu(gate) * up."""
     if not _triton(gate):

@@ -401,3 +401,61 @@ def test_the_fused_route_gives_the_router_and_top_k_bits_alone_or_among_others(m
     monkeypatch.setattr(triton_moe_route, "CUDA_TOPK", True)
     triton_moe_route.route(x, lin, 8, True, big_i, big_w)
     assert torch.equal(big_i[:8], want_i) and torch.equal(big_w[:8], want_w)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("k", [2048, 4096, 132])
+def test_the_cuda_rms_norm_matches_float64_and_a_row_keeps_its_bits_among_others(k):
+    """rms_norm_rows (cuda_q4.rms_norm): within fp32 rounding of the float64 norm; a row's bits
+    the same alone, among 1-300 rows and from a strided view; NaN in a row stays in that row."""
+    g = torch.Generator("cuda").manual_seed(k)
+    x = torch.randn(300, k, generator=g, device="cuda") * 3
+    w = torch.randn(k, generator=g, device="cuda")
+    got = cuda_q4.rms_norm(x, w, 1e-6)
+    xd = x.double()
+    want = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    assert torch.allclose(got.double(), want, rtol=2e-6, atol=1e-6)
+    for m in (1, 7, 64):
+        assert torch.equal(cuda_q4.rms_norm(x[m:m + 1], w, 1e-6), got[m:m + 1]), m
+        assert torch.equal(cuda_q4.rms_norm(x[:m], w, 1e-6), got[:m]), m
+    wide = torch.randn(300, k + 12, generator=g, device="cuda")
+    wide[:, :k] = x
+    assert torch.equal(cuda_q4.rms_norm(wide[:, :k], w, 1e-6), got)
+    assert torch.equal(cuda_q4.rms_norm(x.reshape(3, 100, k), w, 1e-6), got.reshape(3, 100, k))
+    x[5, 3] = float("nan")
+    again = cuda_q4.rms_norm(x, w, 1e-6)
+    assert again[5].isnan().all() and not again[torch.arange(300) != 5].isnan().any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n,k,programs", [(5120, 2048, 256), (128, 2048, 64), (2048, 4096, 256)])
+def test_the_norm_fused_into_the_staged_x_gives_the_bits_of_the_norm_then_the_linear(monkeypatch, n,
+                                                                                     k, programs):
+    """cuda_q4.norm_linear (q4_ctxn: each CTA norms its rows while staging them): the bits of
+    rms_norm then the linear at 1-8 rows, xout the norm's rows; and through
+    triton_linear.norm_linear (NORM on) at 1-40 rows, fused where it takes the rows."""
+    from bench.kernel_bench import rand_q4
+    from kernels import q4_layout, triton_linear
+
+    g = torch.Generator("cuda").manual_seed(n + k + programs)
+    lin = q4_layout.repack(rand_q4(n, k, g), q4_layout.LINEAR_TILE, programs)
+    h = torch.randn(40, k, generator=g, device="cuda") * 2
+    w = torch.randn(k, generator=g, device="cuda")
+    x = cuda_q4.rms_norm(h, w, 1e-5)
+    nan = lambda *s: torch.full(s, float("nan"), device="cuda")  # noqa: E731
+    for m in (1, 3, 8):
+        want = cuda_q4.linear(lin, x[:m], nan(m, n), cta=True)
+        assert cuda_q4.norm_takes(lin, h[:m])
+        for depth in (4, 8, 16):
+            monkeypatch.setattr(cuda_q4, "CTA_XS", depth)
+            xout = nan(m, k)
+            got = cuda_q4.norm_linear(lin, h[:m], w, 1e-5, nan(m, n), xout)
+            assert torch.equal(got, want), (m, depth, float((got - want).abs().max()))
+            assert torch.equal(xout, x[:m]), (m, depth)
+        assert torch.equal(cuda_q4.norm_linear(lin, h[8 - m:8], w, 1e-5, nan(m, n)),
+                           cuda_q4.linear(lin, x[8 - m:8], nan(m, n), cta=True)), m
+    monkeypatch.setattr(cuda_q4, "NORM", True)
+    monkeypatch.setattr(cuda_q4, "CTA_XS", None)
+    want = triton_linear.linear(lin, x)
+    for m in (1, 5, 8, 9, 40):
+        assert torch.equal(triton_linear.norm_linear(lin, h[:m], w, 1e-5), want[:m]), m
