@@ -950,14 +950,23 @@ extern "C" __global__ void __launch_bounds__(128) route_topk(const float* __rest
 // The router in the CTA form (q4_cta, up to 8 rows: its bits) writing the logits, then the last
 // CTA to finish (a ticket, reset by that CTA for the next launch) runs topk_warp on every row:
 // one kernel instead of two, the top-k's bits.
-template <int NT, int D>
+// NORM: x is the residual stream, normed as q4_ctxn norms it while staged (q4_ctx), the fp32
+// rows written to xout by column tile 0 (the experts' x).
+template <int NT, int D, bool NORM = false>
 __device__ __forceinline__ void q4_route(const float* __restrict__ x, const unsigned char* __restrict__ qs,
                                          const unsigned* __restrict__ sm, float* __restrict__ y,
                                          int* __restrict__ ids, float* __restrict__ wts,
                                          int* __restrict__ ticket, int M, int N, int K, int stride_x,
-                                         int stride_y, int S, int k, int flags) {
+                                         int stride_y, int S, int k, int flags,
+                                         const float* __restrict__ nw = nullptr,
+                                         float* __restrict__ xout = nullptr, float eps = 0.f,
+                                         int stride_xout = 0) {
   __shared__ int last;
-  q4_cta<false, NT, D>(x, qs, sm, y, y, M, N, K, stride_x, stride_y, stride_y, S, flags & 2);
+  if (NORM)
+    q4_ctx<NT, D, true>(x, qs, sm, y, y, M, N, K, stride_x, stride_y, stride_y, S, flags & 2, nw,
+                        xout, eps, stride_xout);
+  else
+    q4_cta<false, NT, D>(x, qs, sm, y, y, M, N, K, stride_x, stride_y, stride_y, S, flags & 2);
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == (int)gridDim.x - 1;
@@ -977,6 +986,16 @@ __device__ __forceinline__ void q4_route(const float* __restrict__ x, const unsi
 Q4_ROUTE(, 256, 1, 2) Q4_ROUTE(, 256, 1, 4) Q4_ROUTE(, 256, 1, 8) Q4_ROUTE(, 256, 2, 2)
 Q4_ROUTE(, 256, 2, 4) Q4_ROUTE(, 256, 2, 8) Q4_ROUTE(w, 512, 1, 2) Q4_ROUTE(w, 512, 1, 4)
 Q4_ROUTE(w, 512, 1, 8) Q4_ROUTE(w, 512, 2, 2)
+// the route with the RMSNorm before it fused (x: the residual stream): q4_routen{w}_{NT}_d{D}
+#define Q4_ROUTEN(W, THREADS, NT, D) extern "C" __global__ void __launch_bounds__(THREADS, 1) \
+    q4_routen##W##_##NT##_d##D(const float* x, const unsigned char* qs, const unsigned* sm, float* y, \
+                               int* ids, float* wts, int* ticket, const float* nw, float* xout, \
+                               int M, int N, int K, int stride_x, int stride_y, int S, int k, \
+                               int flags, float eps, int stride_xout) { \
+    q4_route<NT, D, true>(x, qs, sm, y, ids, wts, ticket, M, N, K, stride_x, stride_y, S, k, flags, \
+                          nw, xout, eps, stride_xout); }
+Q4_ROUTEN(, 256, 1, 4) Q4_ROUTEN(, 256, 1, 8) Q4_ROUTEN(, 256, 2, 4) Q4_ROUTEN(, 256, 2, 8)
+Q4_ROUTEN(w, 512, 1, 4) Q4_ROUTEN(w, 512, 2, 4)
 
 #define Q4_EXPERT(KIND, GU, NT, D) extern "C" __global__ void __launch_bounds__(256, 1) \
     q4_e##KIND##NT##_d##D(const void* x, const int* ids, const unsigned char* qs, \
@@ -1135,6 +1154,8 @@ ENTRIES += tuple(f"q4_cta{rows}_{cols // 8}_d{d}".encode()
 ENTRIES += tuple(f"q4_route{'w' if wide else ''}_{nt}_d{d}".encode()
                  for wide, forms in ((False, ((1, 8), (2, 8))), (True, ((1, 8), (2, 2))))
                  for nt, top in forms for d in (2, 4, 8) if d <= top)
+ENTRIES += tuple(f"q4_routen{'w' if wide else ''}_{nt}_d{d}".encode()
+                 for wide, depths in ((False, (4, 8)), (True, (4,))) for nt in (1, 2) for d in depths)
 ENTRIES += (b"route_topk",)
 ENTRIES += tuple(f"q4_ctx{n}_{nt}_d{d}".encode() for n in ("", "n") for nt in (1, 2)
                  for d in (4, 8, 16))
@@ -1461,19 +1482,42 @@ def topk(logits: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor) -> None:
 
 
 def route(lin: Q4Linear, x: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor,
-          wts: torch.Tensor) -> None:
+          wts: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None,
+          xout: torch.Tensor | None = None) -> None:
     """logits [T, E] = x @ lin.T in the CTA form (its bits), and ids / wts as `topk` gives
-    them, in one kernel: the last CTA to finish (a ticket) picks every row's top-k."""
+    them, in one kernel: the last CTA to finish (a ticket) picks every row's top-k.
+    norm (weight, eps): x is the residual stream, normed in the kernel as `rms_norm` norms it
+    (q4_ctx's staging, route_norm_fits must hold), the normed rows written to xout [T, K]."""
     n, big_n, k = x.shape[0], lin.out_features, lin.in_features
     cuda, fns = _functions(x.device.index or 0)
     wide, depth = _cta_plan(lin, 8, COLS, DEPTH, False)
     if lin not in _ROUTE_TICKETS:
         _ROUTE_TICKETS[lin] = torch.zeros(1, dtype=torch.int32, device=lin.qs.device)
-    fn = fns[f"q4_route{'w' if wide else ''}_{COLS // 8}_d{depth}".encode()]
-    _launch(cuda, fn, (big_n // COLS, 1, 1), 32 * lin.split, lin.split * 16 * COLS * 4,
-            (x, lin.qs, lin.sm.view(torch.int32), logits, ids, wts, _ROUTE_TICKETS[lin]),
-            (n, big_n, k, x.stride(0), logits.stride(0), lin.split, ids.shape[1],
-             2 if CTA_L2 else 0))
+    tensors = (x, lin.qs, lin.sm.view(torch.int32), logits, ids, wts, _ROUTE_TICKETS[lin])
+    ints = (n, big_n, k, x.stride(0), logits.stride(0), lin.split, ids.shape[1],
+            2 if CTA_L2 else 0)
+    smem = lin.split * 16 * COLS * 4
+    name = f"q4_route{'w' if wide else ''}_{COLS // 8}_d{depth}"
+    if norm is not None:
+        weight, eps = norm
+        if not route_norm_fits(lin, x) or xout is None or xout.shape != x.shape \
+                or xout.dtype != torch.float32 or xout.stride(1) != 1 \
+                or weight.shape != (k,) or not weight.is_contiguous():
+            raise ValueError("cuda_q4.route: a normed route needs route_norm_fits, weight [K] "
+                             "and xout [T, K] float32")
+        depth = 8 if not wide and (-(-k // 64 // lin.split) * 2) % 8 == 0 else 4
+        name = f"q4_routen{'w' if wide else ''}_{COLS // 8}_d{depth}"
+        tensors += (weight, xout)
+        ints += (float(eps), xout.stride(0))
+        smem += n * (k + 8) * 2
+    _launch(cuda, fns[name.encode()], (big_n // COLS, 1, 1), 32 * lin.split, smem, tensors, ints)
+
+
+def route_norm_fits(lin: Q4Linear, x: torch.Tensor) -> bool:
+    """Whether `route` takes lin and the residual stream x with the norm fused (given that
+    route_fits does): x read as float4s, whole rounds of 4 (or 8) blocks a split."""
+    blocks = -(-lin.in_features // 64 // lin.split) * 2
+    return _norm_rows(x, lin.in_features) and blocks % 4 == 0
 
 
 def experts_fit(experts, x: torch.Tensor) -> bool:

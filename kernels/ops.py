@@ -120,9 +120,9 @@ def qkv_rope_store(qkv, positions, cos, sin, q_norm, k_norm, eps, slots, k_cache
 
 
 def moe(x: torch.Tensor, router, experts, top_k: int, norm_topk_prob: bool,
-        residual: torch.Tensor | None = None) -> torch.Tensor:
+        residual: torch.Tensor | None = None, norm: tuple | None = None) -> torch.Tensor:
     """CUDA only: x [T, hidden] f32 → [T, hidden]: (residual +) the top-k mixture of stacked
-    experts (prepare_experts)."""
+    experts (prepare_experts); norm (weight, eps): of rms_norm(x) (fused where it can be)."""
     from kernels import triton_moe
 
-    return triton_moe.moe(x, router, experts, top_k, norm_topk_prob, residual)
+    return triton_moe.moe(x, router, experts, top_k, norm_topk_prob, residual, norm)

@@ -459,3 +459,41 @@ def test_the_norm_fused_into_the_staged_x_gives_the_bits_of_the_norm_then_the_li
     want = triton_linear.linear(lin, x)
     for m in (1, 5, 8, 9, 40):
         assert torch.equal(triton_linear.norm_linear(lin, h[:m], w, 1e-5), want[:m]), m
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n,k,programs", [(128, 2048, 256), (128, 2048, 16), (64, 512, 4)])
+def test_the_route_with_the_norm_fused_gives_the_bits_of_the_norm_then_the_route(monkeypatch, n, k,
+                                                                                programs):
+    """cuda_q4.route with norm (q4_routen: the router's CTAs norm the residual stream as they
+    stage it, the last CTA picks the top-k): the logits, ids and wts of rms_norm then route, the
+    normed rows in xout; through triton_moe_route.route (NORM on) at 1-40 rows, the same."""
+    from bench.kernel_bench import rand_q4
+    from kernels import q4_layout, triton_moe_route
+
+    g = torch.Generator("cuda").manual_seed(n + k + programs + 1)
+    lin = q4_layout.repack(rand_q4(n, k, g), q4_layout.LINEAR_TILE, programs)
+    h = torch.randn(40, k, generator=g, device="cuda") * 2
+    w = torch.randn(k, generator=g, device="cuda")
+    x = cuda_q4.rms_norm(h, w, 1e-6)
+    nan = lambda *s: torch.full(s, float("nan"), device="cuda")  # noqa: E731
+    want_l = cuda_q4.linear(lin, x[:8], nan(8, n))
+    want_i, want_w = torch.empty(8, 8, dtype=torch.int32, device="cuda"), nan(8, 8)
+    cuda_q4.topk(want_l, want_i, want_w)
+    for m in (1, 3, 8):
+        assert cuda_q4.route_fits(lin, h[:m]) and cuda_q4.route_norm_fits(lin, h[:m])
+        logits, ids, wts = nan(m, n), torch.full((m, 8), -5, dtype=torch.int32, device="cuda"), nan(m, 8)
+        xout = nan(m, k)
+        cuda_q4.route(lin, h[8 - m:8], logits, ids, wts, (w, 1e-6), xout)
+        assert torch.equal(xout, x[8 - m:8]), m
+        assert torch.equal(logits, want_l[8 - m:]), m
+        assert torch.equal(ids, want_i[8 - m:]) and torch.equal(wts, want_w[8 - m:]), m
+        assert cuda_q4._ROUTE_TICKETS[lin].item() == 0
+    monkeypatch.setattr(triton_moe_route, "CUDA_TOPK", True)
+    monkeypatch.setattr(cuda_q4, "NORM", True)
+    big_i, big_w = torch.empty(40, 8, dtype=torch.int32, device="cuda"), nan(40, 8)
+    triton_moe_route.route(x, lin, 8, True, big_i, big_w)
+    for m in (1, 8, 9, 40):
+        ids, wts = torch.empty(m, 8, dtype=torch.int32, device="cuda"), nan(m, 8)
+        xn = triton_moe_route.route(h[:m], lin, 8, True, ids, wts, norm=(w, 1e-6))
+        assert torch.equal(xn, x[:m]) and torch.equal(ids, big_i[:m]) and torch.equal(wts, big_w[:m]), m
