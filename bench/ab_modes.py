@@ -57,15 +57,15 @@ def apply(mode: str) -> None:
     if re.search(r'ctx[0-9]+', mode):  # the CTA form with x staged in shared memory, N deep
         from kernels import cuda_q4
         cuda_q4.CTA_XS = int(re.search(r'ctx([0-9]+)', mode).group(1))
-    if 'kvpf' in mode:  # paged attention prefetching its split's K / V into L2 before its wait
-        from kernels import triton_attention
-        triton_attention.PREFETCH_KV = True
+    if 'kvpf' in mode:  # paged attention prefetching its split's K / V into L2 before its
+        from kernels import triton_attention  # wait: at every token count (nokvpf: none)
+        triton_attention.PREFETCH_KV = None if 'nokvpf' in mode else 1 << 30
     if 'fusednorm' in mode:  # RMSNorm in CUDA; the attention's fused into qkv's staged x
         from kernels import cuda_q4
         cuda_q4.NORM = True
-    if 'cudapdl' in mode:  # cuda_q4's kernels launched with PDL
-        from kernels import cuda_q4
-        cuda_q4.PDL = True
+    if 'cudapdl' in mode:  # cuda_q4's kernels launched with PDL (the default since v19), or
+        from kernels import cuda_q4  # plainly (nocudapdl)
+        cuda_q4.PDL = 'nocudapdl' not in mode
     if 'nocta' in mode:  # cuda_q4's split programs with the ticket merge, not the CTA form
         from kernels import cuda_q4
         cuda_q4.CTA = False

@@ -42,10 +42,12 @@ reads for qkv at 64 rows) and wins only on the lm_head (16 rows: 86 against 102 
 experiments (`CTA` off, `triton_linear.CUDA_SWAP_MIN_ROWS`); PROBES time the split programs'
 parts (loads alone, no merge, two accumulator chains).
 
-Launched, with `PDL` on (not yet measured, so off), with programmatic dependent launch where
-the Triton kernels are (kernels/triton_pdl.py): a kernel is scheduled while its predecessor ends, issues its ring's
-first weight loads (no kernel writes the weights), and only then waits (`pdl_wait`) for what
-the predecessor wrote; the launch changes no arithmetic, so no bit.
+Launched (`PDL`, on by default) with programmatic dependent launch where the Triton kernels
+are (kernels/triton_pdl.py): a kernel is scheduled while its predecessor ends, issues its
+ring's first weight loads (no kernel writes the weights), and only then waits (`pdl_wait`)
+for what the predecessor wrote; the launch changes no arithmetic, so no bit. H100, context
+128, 1 / 4 / 8 streams: 387.9 / 959.3 / 1,454.2 → 408.2 / 996.3 / 1,502.6 tok/s (GPU_NOTES
+v19).
 
 Built at run time: NVRTC (found in the nvidia wheels beside torch, or pip's
 nvidia-cuda-nvrtc-cu12) compiles the source to PTX for the device's compute capability, and
@@ -1585,9 +1587,9 @@ _PDL_ATTR = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 # launch with programmatic dependent launch where triton_pdl does (Hopper and later): each
 # kernel loads its first ring blocks of weights before `pdl_wait`, so they are in flight while
 # the previous kernel ends, and the next kernel may be scheduled once every CTA has waited.
-# Off until measured on a GPU (built in the nineteenth session, no machine came to run it:
-# GPU_NOTES v18; bench/ab_modes.py `cudapdl`)
-PDL = False
+# H100, context 128, 1 / 4 / 8 streams: +5.2 / +3.9 / +3.3% tok/s; the engine's bitwise sets
+# 13/13 with it (GPU_NOTES v19; bench/ab_modes.py `nocudapdl`: plain launches)
+PDL = True
 
 
 def _launch(cuda: ctypes.CDLL, fn: ctypes.c_void_p, grid: tuple[int, int, int], threads: int,

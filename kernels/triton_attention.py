@@ -45,8 +45,12 @@ HEAD_SPLIT_PROGRAMS: int | None = None
 # under PDL, before its wait, each split program prefetches into L2 the K and V rows of its
 # split (the block table, the token's row and context length are the step's inputs; a row the
 # previous kernel is still writing may be fetched early — only a prefetch: the loads after the
-# wait read it). No arithmetic changes, so no bit. Off: unmeasured (bench/ab_modes.py `kvpf`)
-PREFETCH_KV = False
+# wait read it). No arithmetic changes, so no bit, and it may follow the batch: on for launches
+# of up to this many query tokens. H100, tok/s (GPU_NOTES v19): 2,048 keys x 1 stream 330.4 →
+# 345.5 (twice), 8,192 x 1 and 2,048 x 4 flat, 2,048 x 64 4,007 → 3,636 (the prefetches of
+# many programs contend with their loads). None: off (bench/ab_modes.py `nokvpf`; `kvpf`: on
+# at every token count)
+PREFETCH_KV: int | None = 1
 
 
 @triton.jit
@@ -241,7 +245,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_tables.stride(0), max_splits, scale, H=h, KVH=kvh, D=d, BS=bs, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), SPLIT=split, BLOCK_N=block_n,
         PREC=PRECISION, MMA=q.device.type == "cuda", HS=hs,
-        LINES=max(1, d * k_cache.element_size() // 128) if PREFETCH_KV else 0, num_warps=WARPS,
+        LINES=max(1, d * k_cache.element_size() // 128) if PREFETCH_KV and t <= PREFETCH_KV else 0,
+        num_warps=WARPS,
         num_stages=STAGES, **triton_pdl.launch(q))
     if max_splits > 1:
         _attn_merge_kernel[(t, h)](ctx_lens, out, pacc, pml, max_splits, H=h, D=d, SPLIT=split,

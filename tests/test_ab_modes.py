@@ -74,15 +74,16 @@ def test_the_router_mode_lowers_the_cuda_linears_output_floor(mode, want):
     assert _knobs(mode, "triton_linear.CUDA_MIN_N") == want.split()
 
 
-@pytest.mark.parametrize("mode,want", [("pdl", "None 512 False"), ("pdl_hsplit128", "128 512 False"),
-                                       ("pdl_kvpf", "None 512 True")])
+@pytest.mark.parametrize("mode,want", [("pdl", "None 512 1"), ("pdl_hsplit128", "128 512 1"),
+                                       ("pdl_kvpf", "None 512 1073741824"),
+                                       ("pdl_nokvpf", "None 512 None")])
 def test_the_head_split_and_prefetch_modes_leave_the_split_alone(mode, want):
     assert _knobs(mode, "triton_attention.HEAD_SPLIT_PROGRAMS, triton_attention.SPLIT, "
                         "triton_attention.PREFETCH_KV") == want.split()
 
 
-@pytest.mark.parametrize("mode,want", [("pdl", "True False False"),
-                                       ("pdl_cudapdl_cudal2", "True True True"),
+@pytest.mark.parametrize("mode,want", [("pdl", "True True False"),
+                                       ("pdl_nocudapdl_cudal2", "True False True"),
                                        ("nopdl_cudapdl", "False True False")])
 def test_the_cuda_launch_modes_leave_the_triton_launches_alone(mode, want):
     assert _knobs(mode, "triton_pdl.ENABLED, cuda_q4.PDL, cuda_q4.CTA_L2") == want.split()

@@ -149,7 +149,13 @@ def test_paged_attention_at_real_shapes_and_bitwise_alone(dtype):
             assert torch.equal(split[0], out[i]), (i, hs)
     prefetch = triton_attention.PREFETCH_KV
     try:  # the split's K / V prefetched into L2 before the wait: no arithmetic, so the bits
-        triton_attention.PREFETCH_KV = True
+        triton_attention.PREFETCH_KV = 1 << 30
+        again = triton_attention.paged_attention(q, kc, vc, tables, rows, ctx, d ** -0.5, nan(t, h, d))
+    finally:
+        triton_attention.PREFETCH_KV = prefetch
+    assert torch.equal(again, out)
+    triton_attention.PREFETCH_KV = None
+    try:  # and without it
         again = triton_attention.paged_attention(q, kc, vc, tables, rows, ctx, d ** -0.5, nan(t, h, d))
     finally:
         triton_attention.PREFETCH_KV = prefetch
