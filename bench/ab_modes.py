@@ -60,9 +60,6 @@ def apply(mode: str) -> None:
     if 'kvpf' in mode:  # paged attention prefetching its split's K / V into L2 before its
         from kernels import triton_attention  # wait: at every token count (nokvpf: none)
         triton_attention.PREFETCH_KV = None if 'nokvpf' in mode else 1 << 30
-    if 'fusednorm' in mode:  # RMSNorm in CUDA; the attention's fused into qkv's staged x
-        from kernels import cuda_q4
-        cuda_q4.NORM = True
     if 'cudapdl' in mode:  # cuda_q4's kernels launched with PDL (the default since v19), or
         from kernels import cuda_q4  # plainly (nocudapdl)
         cuda_q4.PDL = 'nocudapdl' not in mode

@@ -11,7 +11,7 @@ mkdir -p "$OUT"
 stamp() { echo "=== $(date +%T) $*"; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 
-stamp "bits: cuda_q4 (PDL chain in a graph, L2 prefetch, the CUDA top-k, the fused route, staged x, the CUDA norm and the norm fused into qkv), the MoE"
+stamp "bits: cuda_q4 (PDL chain in a graph, L2 prefetch, the CUDA top-k, the fused route, staged x), the MoE"
 timeout 240 python -m pytest -q -n 0 tests/kernels/test_cuda_q4.py 2>&1 | tail -6
 timeout 150 python -m pytest -q -n 0 tests/kernels/test_gpu.py -k "moe_at_real or route or paged_attention_at_real" 2>&1 | tail -3
 
@@ -20,9 +20,9 @@ timeout 90 python -m bench.row_modes --ms 1,8 --ts "" --tiles "" --weights qkv,o
   --json "$OUT/rows.json" 2>&1 | grep -E "cta 16c d8|cta 16c d4|ctx|plan"
 
 # the engine, side by side: PDL for the CUDA kernels, then their L2 prefetch, then the route,
-# then x staged, then the attention's norm fused into qkv's staged x (fusednorm)
+# then x staged
 KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=${TAIL:-5} T_ENGINE=${T_ENGINE:-90} \
-  ENGINE_MODES="${MODES_SMALL-pdl pdl_cudapdl pdl_cudapdl_cudal2 pdl_cudapdl_cudal2_cudatopk pdl_cudapdl_cudal2_fusedroute pdl_cudapdl_cudal2_fusedroute_ctx16 pdl_cudapdl_cudal2_fusedroute_ctx8 pdl_cudapdl_cudal2_fusedroute_fusednorm pdl}" \
+  ENGINE_MODES="${MODES_SMALL-pdl pdl_cudapdl pdl_cudapdl_cudal2 pdl_cudapdl_cudal2_cudatopk pdl_cudapdl_cudal2_fusedroute pdl_cudapdl_cudal2_fusedroute_ctx16 pdl_cudapdl_cudal2_fusedroute_ctx8 pdl}" \
   CONTEXT=128 STREAMS=1,4,8 TAG=_small bash bench/gpu_ab.sh 2>&1 | grep -v "^context\|^KV pool"
 KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=${TAIL:-5} T_ENGINE=${T_ENGINE:-120} \
   ENGINE_MODES="${MODES_BIG-pdl pdl_cudapdl_cudal2_fusedroute}" CONTEXT=128,2048 STREAMS=1,64 \

@@ -679,59 +679,11 @@ __device__ __forceinline__ void block_mma_xs(float acc[NT][4], const __half* xp,
   }
 }
 
-// ---- RMSNorm in CUDA (`rms_norm`, and fused into q4_ctx's staging: `norm_linear`): one order
-// for a row's sum of squares wherever the row is normed, so the fused and the standalone norm
-// give the same bits. A warp a row: lane l takes the float4s at k = 4l + 128j, j ascending,
-// and accumulates their x, y, z, w in turn by FMA; then an xor butterfly (16, 8, 4, 2, 1),
-// which leaves every lane the same sum (each pair adds the same two values). Correctly rounded
-// division and square root: 1 / sqrt(ss / K + eps); a value (h * inv) * w. K % 4 == 0, rows
-// 16-byte aligned.
-__device__ __forceinline__ float rms_inv(const float* __restrict__ h, int K, float eps) {
-  const int lane = threadIdx.x & 31;
-  float ss = 0.f;
-  for (int k = 4 * lane; k < K; k += 128) {
-    const float4 v = __ldg(reinterpret_cast<const float4*>(h + k));
-    ss = __fmaf_rn(v.x, v.x, ss);
-    ss = __fmaf_rn(v.y, v.y, ss);
-    ss = __fmaf_rn(v.z, v.z, ss);
-    ss = __fmaf_rn(v.w, v.w, ss);
-  }
-#pragma unroll
-  for (int o = 16; o; o >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(0xffffffffu, ss, o));
-  return __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)K), eps)));
-}
-
-__device__ __forceinline__ float4 rms_apply(float4 h, float inv, float4 w) {
-  return make_float4(__fmul_rn(__fmul_rn(h.x, inv), w.x), __fmul_rn(__fmul_rn(h.y, inv), w.y),
-                     __fmul_rn(__fmul_rn(h.z, inv), w.z), __fmul_rn(__fmul_rn(h.w, inv), w.w));
-}
-
-// y [R, K] = RMSNorm(x) * w, a warp a row (4 a CTA)
-extern "C" __global__ void __launch_bounds__(128) rms_norm_rows(const float* __restrict__ x,
-    const float* __restrict__ w, float* __restrict__ y, int R, int K, int stride_x, int stride_y,
-    float eps) {
-  pdl_wait();
-  const int r = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-  if (r >= R) return;
-  const float* h = x + (long)r * stride_x;
-  const float inv = rms_inv(h, K, eps);
-  for (int k = 4 * lane; k < K; k += 128)
-    *reinterpret_cast<float4*>(y + (long)r * stride_y + k) =
-        rms_apply(__ldg(reinterpret_cast<const float4*>(h + k)), inv,
-                  __ldg(reinterpret_cast<const float4*>(w + k)));
-}
-
-// NORM: x is the residual stream h, and the staged x is rms_norm_rows's row (its bits: the
-// same rms_inv and rms_apply), rounded to fp16 as q4_ctx rounds x; column tile 0 also writes
-// the fp32 rows to xout where given (for the normed x's other readers).
-template <int NT, int D, bool NORM = false>
+template <int NT, int D>
 __device__ __forceinline__ void q4_ctx(const float* __restrict__ x, const unsigned char* __restrict__ qs,
                                        const unsigned* __restrict__ sm, const float* __restrict__ res,
                                        float* __restrict__ y, int M, int N, int K, int stride_x,
-                                       int stride_res, int stride_y, int S, int has_res,
-                                       const float* __restrict__ nw = nullptr,
-                                       float* __restrict__ xout = nullptr, float eps = 0.f,
-                                       int stride_xout = 0) {
+                                       int stride_res, int stride_y, int S, int has_res) {
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int C = 8 * NT;
   float* part = reinterpret_cast<float*>(smem);  // [S][16][C]
@@ -757,22 +709,9 @@ __device__ __forceinline__ void q4_ctx(const float* __restrict__ x, const unsign
   }
   if (l2) prefetch_split<NT>(qs, sm, N, k_lo, k_hi, n0, D);
   pdl_wait();
-  __shared__ float inv[8];  // NORM: the rows' 1 / rms, a warp a row
-  if (NORM) {
-    for (int r = sp; r < M; r += S) {
-      const float v = rms_inv(x + (long)r * stride_x, K, eps);
-      if ((threadIdx.x & 31) == 0) inv[r] = v;
-    }
-    __syncthreads();
-  }
-  const bool out0 = NORM && xout != nullptr && blockIdx.x == 0;
   for (int i = threadIdx.x; i < M * (K >> 2); i += blockDim.x) {  // x → fp16, once a CTA
     const int r = i / (K >> 2), k4 = (i - r * (K >> 2)) << 2;
-    float4 v = __ldg(reinterpret_cast<const float4*>(x + (long)r * stride_x + k4));
-    if (NORM) {
-      v = rms_apply(v, inv[r], __ldg(reinterpret_cast<const float4*>(nw + k4)));
-      if (out0) *reinterpret_cast<float4*>(xout + (long)r * stride_xout + k4) = v;
-    }
+    const float4 v = __ldg(reinterpret_cast<const float4*>(x + (long)r * stride_x + k4));
     *reinterpret_cast<uint2*>(xs + r * ldx + k4) =
         make_uint2(half2_bits(__floats2half2_rn(v.x, v.y)), half2_bits(__floats2half2_rn(v.z, v.w)));
   }
@@ -952,23 +891,14 @@ extern "C" __global__ void __launch_bounds__(128) route_topk(const float* __rest
 // The router in the CTA form (q4_cta, up to 8 rows: its bits) writing the logits, then the last
 // CTA to finish (a ticket, reset by that CTA for the next launch) runs topk_warp on every row:
 // one kernel instead of two, the top-k's bits.
-// NORM: x is the residual stream, normed as q4_ctxn norms it while staged (q4_ctx), the fp32
-// rows written to xout by column tile 0 (the experts' x).
-template <int NT, int D, bool NORM = false>
+template <int NT, int D>
 __device__ __forceinline__ void q4_route(const float* __restrict__ x, const unsigned char* __restrict__ qs,
                                          const unsigned* __restrict__ sm, float* __restrict__ y,
                                          int* __restrict__ ids, float* __restrict__ wts,
                                          int* __restrict__ ticket, int M, int N, int K, int stride_x,
-                                         int stride_y, int S, int k, int flags,
-                                         const float* __restrict__ nw = nullptr,
-                                         float* __restrict__ xout = nullptr, float eps = 0.f,
-                                         int stride_xout = 0) {
+                                         int stride_y, int S, int k, int flags) {
   __shared__ int last;
-  if (NORM)
-    q4_ctx<NT, D, true>(x, qs, sm, y, y, M, N, K, stride_x, stride_y, stride_y, S, flags & 2, nw,
-                        xout, eps, stride_xout);
-  else
-    q4_cta<false, NT, D>(x, qs, sm, y, y, M, N, K, stride_x, stride_y, stride_y, S, flags & 2);
+  q4_cta<false, NT, D>(x, qs, sm, y, y, M, N, K, stride_x, stride_y, stride_y, S, flags & 2);
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == (int)gridDim.x - 1;
@@ -988,16 +918,6 @@ __device__ __forceinline__ void q4_route(const float* __restrict__ x, const unsi
 Q4_ROUTE(, 256, 1, 2) Q4_ROUTE(, 256, 1, 4) Q4_ROUTE(, 256, 1, 8) Q4_ROUTE(, 256, 2, 2)
 Q4_ROUTE(, 256, 2, 4) Q4_ROUTE(, 256, 2, 8) Q4_ROUTE(w, 512, 1, 2) Q4_ROUTE(w, 512, 1, 4)
 Q4_ROUTE(w, 512, 1, 8) Q4_ROUTE(w, 512, 2, 2)
-// the route with the RMSNorm before it fused (x: the residual stream): q4_routen{w}_{NT}_d{D}
-#define Q4_ROUTEN(W, THREADS, NT, D) extern "C" __global__ void __launch_bounds__(THREADS, 1) \
-    q4_routen##W##_##NT##_d##D(const float* x, const unsigned char* qs, const unsigned* sm, float* y, \
-                               int* ids, float* wts, int* ticket, const float* nw, float* xout, \
-                               int M, int N, int K, int stride_x, int stride_y, int S, int k, \
-                               int flags, float eps, int stride_xout) { \
-    q4_route<NT, D, true>(x, qs, sm, y, ids, wts, ticket, M, N, K, stride_x, stride_y, S, k, flags, \
-                          nw, xout, eps, stride_xout); }
-Q4_ROUTEN(, 256, 1, 4) Q4_ROUTEN(, 256, 1, 8) Q4_ROUTEN(, 256, 2, 4) Q4_ROUTEN(, 256, 2, 8)
-Q4_ROUTEN(w, 512, 1, 4) Q4_ROUTEN(w, 512, 2, 4)
 
 #define Q4_EXPERT(KIND, GU, NT, D) extern "C" __global__ void __launch_bounds__(256, 1) \
     q4_e##KIND##NT##_d##D(const void* x, const int* ids, const unsigned char* qs, \
@@ -1041,15 +961,6 @@ Q4_CTA(16, 2, 4) Q4_CTA(16, 4, 2) Q4_CTA(16, 4, 4)
     q4_ctx_##NT##_d##D(Q4_ARGS) { \
     q4_ctx<NT, D>(x, qs, sm, res, y, M, N, K, stride_x, stride_res, stride_y, S, has_res); }
 Q4_CTX(1, 4) Q4_CTX(1, 8) Q4_CTX(1, 16) Q4_CTX(2, 4) Q4_CTX(2, 8) Q4_CTX(2, 16)
-// ... with the RMSNorm before it fused into the staging (x: the residual stream h): q4_ctxn_{NT}_d{D}
-#define Q4_CTXN(NT, D) extern "C" __global__ void __launch_bounds__(256, 1) \
-    q4_ctxn_##NT##_d##D(const float* x, const unsigned char* qs, const unsigned* sm, \
-                        const float* res, float* y, const float* nw, float* xout, int M, int N, \
-                        int K, int stride_x, int stride_res, int stride_y, int S, int has_res, \
-                        float eps, int stride_xout) { \
-    q4_ctx<NT, D, true>(x, qs, sm, res, y, M, N, K, stride_x, stride_res, stride_y, S, has_res, \
-                        nw, xout, eps, stride_xout); }
-Q4_CTXN(1, 4) Q4_CTXN(1, 8) Q4_CTXN(1, 16) Q4_CTXN(2, 4) Q4_CTXN(2, 8) Q4_CTXN(2, 16)
 // 9-16 splits (the router's 16): 512 threads a CTA, the rings that fit 128 registers unspilled
 #define Q4_CTAW(ROWS, NT, D) extern "C" __global__ void __launch_bounds__(512, 1) \
     q4_ctaw##ROWS##_##NT##_d##D(Q4_ARGS) { \
@@ -1156,12 +1067,8 @@ ENTRIES += tuple(f"q4_cta{rows}_{cols // 8}_d{d}".encode()
 ENTRIES += tuple(f"q4_route{'w' if wide else ''}_{nt}_d{d}".encode()
                  for wide, forms in ((False, ((1, 8), (2, 8))), (True, ((1, 8), (2, 2))))
                  for nt, top in forms for d in (2, 4, 8) if d <= top)
-ENTRIES += tuple(f"q4_routen{'w' if wide else ''}_{nt}_d{d}".encode()
-                 for wide, depths in ((False, (4, 8)), (True, (4,))) for nt in (1, 2) for d in depths)
 ENTRIES += (b"route_topk",)
-ENTRIES += tuple(f"q4_ctx{n}_{nt}_d{d}".encode() for n in ("", "n") for nt in (1, 2)
-                 for d in (4, 8, 16))
-ENTRIES += (b"rms_norm_rows",)
+ENTRIES += tuple(f"q4_ctx_{nt}_d{d}".encode() for nt in (1, 2) for d in (4, 8, 16))
 ROUTE_MAX_E, ROUTE_MAX_K = 256, 32  # the CUDA top-k: logits a row (8 a lane), picks (a lane each)
 STREAM = 0  # the depth that names the other form: the warp's split streamed into shared memory
 PROBES = (b"q4_probe1", b"q4_probe2", b"q4_probe3")  # bench only: 16 columns, <= 8 rows, streamed
@@ -1185,11 +1092,6 @@ CTA_L2 = False
 # its weight ring this deep (4, 8 or 16; halved to whole rounds): q4_cta's bits. None: off
 # (built in the nineteenth session, unmeasured; bench/ab_modes.py `ctxN`)
 CTA_XS: int | None = None
-# RMSNorm on CUDA as rms_norm_rows (a warp a row, one fixed order) for every norm, and the
-# attention's norm fused into qkv's staged-x CTA form at 1-8 rows (norm_linear: one kernel
-# fewer a layer, the same bits as the two). Off until measured (built in the twentieth
-# session; bench/ab_modes.py `fusednorm`)
-NORM = False
 SWAP_MT = 2  # the swapped form: m16 feature tiles a warp
 SWAP_WARPS = 4  # ... and warps a CTA
 EXPERT_COLS = 16  # the direct experts' CTA form: columns a warp
@@ -1372,75 +1274,6 @@ def _ctx_linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
     return out
 
 
-def _norm_rows(x: torch.Tensor, k: int) -> bool:
-    """Whether rms_norm_rows and q4_ctxn read x as it is: float32 rows of k (a multiple of 4)
-    floats, 16-byte aligned."""
-    return (x.is_cuda and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == k
-            and k % 4 == 0 and x.stride(1) == 1 and x.stride(0) % 4 == 0
-            and x.data_ptr() % 16 == 0)
-
-
-def norm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `rms_norm` takes x and weight and its kernels load on x's device."""
-    k = x.shape[-1]
-    return (x.is_cuda and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and weight.shape == (k,) and weight.is_contiguous() and k % 4 == 0
-            and available(x.device.index or 0))
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             out: torch.Tensor | None = None) -> torch.Tensor:
-    """out [..., K] = RMSNorm(x) * weight (x [..., K] float32 CUDA, weight [K] float32, K a
-    multiple of 4): rms_norm_rows, a warp a row in one fixed order (rms_inv) — the bits
-    norm_linear stages. out is allocated when not given."""
-    k = x.shape[-1]
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.shape != (k,) \
-            or not weight.is_contiguous() or k % 4 or not x.is_cuda:
-        raise ValueError("cuda_q4.rms_norm: CUDA x [..., K] float32, weight [K] float32, K % 4 == 0")
-    rows = x if x.dim() == 2 and _norm_rows(x, k) else x.contiguous().reshape(-1, k)
-    if out is None:
-        out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    if out.shape != x.shape or not out.is_contiguous():
-        raise ValueError("cuda_q4.rms_norm: out must be contiguous, shaped like x")
-    if rows.shape[0]:
-        cuda, fns = _functions(x.device.index or 0)
-        _launch(cuda, fns[b"rms_norm_rows"], (-(-rows.shape[0] // 4), 1, 1), 128, 0,
-                (rows, weight, out), (rows.shape[0], k, rows.stride(0), k, float(eps)))
-    return out
-
-
-def norm_takes(lin: Q4Linear, h: torch.Tensor) -> bool:
-    """Whether norm_linear runs lin on h as one kernel (q4_ctxn): the staged-x CTA form's
-    shapes (≤ 8 rows and splits, 8 or 16 columns a warp, a ring of 4 or more) at COLS."""
-    blocks = -(-lin.in_features // 64 // lin.split) * 2
-    return (CTA and COLS in (8, 16) and _norm_rows(h, lin.in_features) and h.shape[0] <= 8
-            and lin.split <= CTA_SPLITS_256 and blocks % 4 == 0 and cta_takes(lin, COLS))
-
-
-def norm_linear(lin: Q4Linear, h: torch.Tensor, weight: torch.Tensor, eps: float,
-                out: torch.Tensor, xout: torch.Tensor | None = None) -> torch.Tensor:
-    """out [n, N] = rms_norm(h, weight, eps) @ lin.T as one kernel (q4_ctxn: each CTA norms the
-    rows as rms_norm_rows does while it stages them): the bits of `rms_norm` then `linear`.
-    xout [n, K] float32 (optional) receives the normed rows. norm_takes must hold."""
-    n, big_n, k = h.shape[0], lin.out_features, lin.in_features
-    _check(h, out, xout)
-    if not norm_takes(lin, h) or weight.shape != (k,) or weight.dtype != torch.float32 \
-            or not weight.is_contiguous() or (xout is not None and xout.shape != h.shape):
-        raise ValueError("cuda_q4.norm_linear: h as norm_takes needs it, weight [K] float32, "
-                         "xout shaped like h")
-    blocks = -(-k // 64 // lin.split) * 2
-    depth = CTA_XS or DEPTH or 8
-    while blocks % depth:
-        depth //= 2
-    cuda, fns = _functions(h.device.index or 0)
-    smem = lin.split * 16 * COLS * 4 + n * (k + 8) * 2
-    _launch(cuda, fns[f"q4_ctxn_{COLS // 8}_d{depth}".encode()], (big_n // COLS, 1, 1),
-            32 * lin.split, smem, (h, lin.qs, lin.sm.view(torch.int32), out, out, weight, xout),
-            (n, big_n, k, h.stride(0), out.stride(0), out.stride(0), lin.split,
-             2 if CTA_L2 else 0, float(eps), xout.stride(0) if xout is not None else 0))
-    return out
-
-
 def _cta_plan(lin: Q4Linear, rows: int, cols: int, depth: int, chosen: bool) -> tuple[bool, int]:
     """(wide, depth) of the CTA form's entry for lin at row tiles of `rows`: 512 threads above
     CTA_SPLITS_256 splits (fewer registers, so shallower rings); depth (unless chosen by the
@@ -1484,42 +1317,19 @@ def topk(logits: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor) -> None:
 
 
 def route(lin: Q4Linear, x: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor,
-          wts: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None,
-          xout: torch.Tensor | None = None) -> None:
+          wts: torch.Tensor) -> None:
     """logits [T, E] = x @ lin.T in the CTA form (its bits), and ids / wts as `topk` gives
-    them, in one kernel: the last CTA to finish (a ticket) picks every row's top-k.
-    norm (weight, eps): x is the residual stream, normed in the kernel as `rms_norm` norms it
-    (q4_ctx's staging, route_norm_fits must hold), the normed rows written to xout [T, K]."""
+    them, in one kernel: the last CTA to finish (a ticket) picks every row's top-k."""
     n, big_n, k = x.shape[0], lin.out_features, lin.in_features
     cuda, fns = _functions(x.device.index or 0)
     wide, depth = _cta_plan(lin, 8, COLS, DEPTH, False)
     if lin not in _ROUTE_TICKETS:
         _ROUTE_TICKETS[lin] = torch.zeros(1, dtype=torch.int32, device=lin.qs.device)
-    tensors = (x, lin.qs, lin.sm.view(torch.int32), logits, ids, wts, _ROUTE_TICKETS[lin])
-    ints = (n, big_n, k, x.stride(0), logits.stride(0), lin.split, ids.shape[1],
-            2 if CTA_L2 else 0)
-    smem = lin.split * 16 * COLS * 4
-    name = f"q4_route{'w' if wide else ''}_{COLS // 8}_d{depth}"
-    if norm is not None:
-        weight, eps = norm
-        if not route_norm_fits(lin, x) or xout is None or xout.shape != x.shape \
-                or xout.dtype != torch.float32 or xout.stride(1) != 1 \
-                or weight.shape != (k,) or not weight.is_contiguous():
-            raise ValueError("cuda_q4.route: a normed route needs route_norm_fits, weight [K] "
-                             "and xout [T, K] float32")
-        depth = 8 if not wide and (-(-k // 64 // lin.split) * 2) % 8 == 0 else 4
-        name = f"q4_routen{'w' if wide else ''}_{COLS // 8}_d{depth}"
-        tensors += (weight, xout)
-        ints += (float(eps), xout.stride(0))
-        smem += n * (k + 8) * 2
-    _launch(cuda, fns[name.encode()], (big_n // COLS, 1, 1), 32 * lin.split, smem, tensors, ints)
-
-
-def route_norm_fits(lin: Q4Linear, x: torch.Tensor) -> bool:
-    """Whether `route` takes lin and the residual stream x with the norm fused (given that
-    route_fits does): x read as float4s, whole rounds of 4 (or 8) blocks a split."""
-    blocks = -(-lin.in_features // 64 // lin.split) * 2
-    return _norm_rows(x, lin.in_features) and blocks % 4 == 0
+    fn = fns[f"q4_route{'w' if wide else ''}_{COLS // 8}_d{depth}".encode()]
+    _launch(cuda, fn, (big_n // COLS, 1, 1), 32 * lin.split, lin.split * 16 * COLS * 4,
+            (x, lin.qs, lin.sm.view(torch.int32), logits, ids, wts, _ROUTE_TICKETS[lin]),
+            (n, big_n, k, x.stride(0), logits.stride(0), lin.split, ids.shape[1],
+             2 if CTA_L2 else 0))
 
 
 def experts_fit(experts, x: torch.Tensor) -> bool:
@@ -1595,7 +1405,7 @@ PDL = True
 def _launch(cuda: ctypes.CDLL, fn: ctypes.c_void_p, grid: tuple[int, int, int], threads: int,
             smem: int, tensors: tuple, ints: tuple, tail: tuple = ()) -> None:
     """fn<<<grid, threads, smem>>> on torch's current stream with the tensors' addresses,
-    (None: a null pointer), then the ints (Python floats as float), then the tail's addresses (Q4_ARGS for most entries), with PDL where `PDL`
+    then the ints, then the tail's addresses (Q4_ARGS for most entries), with PDL where `PDL`
     and kernels/triton_pdl.py allow; above 48 KB of dynamic shared memory the kernel is opted
     in first (once a size)."""
     if smem > 48 * 1024 and (fn.value, smem) not in _BIG_SMEM:
@@ -1603,8 +1413,7 @@ def _launch(cuda: ctypes.CDLL, fn: ctypes.c_void_p, grid: tuple[int, int, int], 
         if smem > 227 * 1024 or cuda.cuFuncSetAttribute(fn, 8, smem):
             raise ValueError(f"cuda_q4: {smem} bytes of shared memory: more than the device gives")
         _BIG_SMEM.add((fn.value, smem))
-    args = ([ctypes.c_void_p(None if t is None else t.data_ptr()) for t in tensors]
-            + [ctypes.c_float(v) if isinstance(v, float) else ctypes.c_int(v) for v in ints]
+    args = ([ctypes.c_void_p(t.data_ptr()) for t in tensors] + [ctypes.c_int(v) for v in ints]
             + [ctypes.c_void_p(t.data_ptr()) for t in tail])
     argv = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p)
                                            for a in args])

@@ -40,16 +40,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return triton_norm.rms_norm(x, weight, eps)
 
 
-def norm_linear(lin, h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """linear(lin, rms_norm(h, weight, eps)) (CUDA: one kernel where kernels/cuda_q4.py fuses
-    them, the same bits)."""
-    if not _triton(h):
-        return cpu.linear(lin, cpu.rms_norm(h, weight, eps))
-    from kernels import triton_linear
-
-    return triton_linear.norm_linear(lin, h, weight, eps)
-
-
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gate, up [n, K] f32 → [n, K]: silu(gate) * up."""
     if not _triton(gate):
@@ -120,9 +110,9 @@ def qkv_rope_store(qkv, positions, cos, sin, q_norm, k_norm, eps, slots, k_cache
 
 
 def moe(x: torch.Tensor, router, experts, top_k: int, norm_topk_prob: bool,
-        residual: torch.Tensor | None = None, norm: tuple | None = None) -> torch.Tensor:
+        residual: torch.Tensor | None = None) -> torch.Tensor:
     """CUDA only: x [T, hidden] f32 → [T, hidden]: (residual +) the top-k mixture of stacked
-    experts (prepare_experts); norm (weight, eps): of rms_norm(x) (fused where it can be)."""
+    experts (prepare_experts)."""
     from kernels import triton_moe
 
-    return triton_moe.moe(x, router, experts, top_k, norm_topk_prob, residual, norm)
+    return triton_moe.moe(x, router, experts, top_k, norm_topk_prob, residual)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import q4_layout, triton_f16, triton_norm, triton_pdl, triton_q4
+from kernels import q4_layout, triton_f16, triton_pdl, triton_q4
 from kernels.linear import QBLOCK, Linear
 from kernels.q4_layout import Q4Linear, Q4Tile
 from kernels.triton_pdl import pdl_wait
@@ -220,17 +220,6 @@ def weight_args(lin: Linear) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     if not isinstance(lin, GpuLinear):
         raise TypeError("q8 weights must be in GPU storage (kernels.triton_linear.to_gpu_format)")
     return lin.qs, lin.scale, lin.qs.stride(0), lin.scale.stride(0)
-
-
-def norm_linear(lin: Linear, h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """linear(lin, rms_norm(h, weight, eps)): with cuda_q4.NORM, at the rows cuda_q4 takes,
-    one kernel (cuda_q4.norm_linear, the same bits); else the two."""
-    from kernels import cuda_q4
-    if cuda_q4.NORM and isinstance(lin, Q4Linear) and h.dim() == 2 and h.is_cuda:
-        out = torch.empty(h.shape[0], lin.out_features, dtype=torch.float32, device=h.device)
-        if cuda_routed(lin, h, out) and cuda_q4.norm_takes(lin, h):
-            return cuda_q4.norm_linear(lin, h, weight, eps, out)
-    return linear(lin, triton_norm.rms_norm(h, weight, eps))
 
 
 def check_x(x: torch.Tensor, k: int, name: str = "x") -> None:

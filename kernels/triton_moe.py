@@ -542,15 +542,13 @@ def blocks_per_sm(regs: int, shared: int, warps: int, sm_regs: int = 65536,
 
 # ---- host side --------------------------------------------------------------------------------
 def moe(x: torch.Tensor, router: Linear, experts: StackedExperts, top_k: int,
-        norm_topk_prob: bool, residual: torch.Tensor | None = None,
-        norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+        norm_topk_prob: bool, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, hidden] f32 (, residual [T, hidden] f32) → [T, hidden] f32: (residual +) the top-k
-    mixture of the stacked experts for each row, the k outputs summed in rank order. norm
-    (weight, eps): x is normed first (rms_norm; in the router's kernel where it fuses)."""
+    mixture of the stacked experts for each row, the k outputs summed in rank order."""
     t, dev = x.shape[0], x.device
     ids = torch.empty(t, top_k, dtype=torch.int32, device=dev)  # [T, k]
     wts = torch.empty(t, top_k, dtype=torch.float32, device=dev)  # [T, k]
-    x = triton_moe_route.route(x, router, top_k, norm_topk_prob, ids, wts, norm=norm)
+    triton_moe_route.route(x, router, top_k, norm_topk_prob, ids, wts)
     if fused_fits(t, top_k, experts):
         return _fused(x, ids, wts, experts, residual)
     inter = torch.empty(t * top_k, experts.inter, dtype=inter_dtype(experts), device=dev)  # [T*k, I]

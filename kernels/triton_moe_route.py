@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import triton_linear, triton_norm, triton_pdl
+from kernels import triton_linear, triton_pdl
 from kernels.linear import Linear
 from kernels.triton_linear import TileConfig, linear
 from kernels.triton_pdl import pdl_wait
@@ -142,13 +142,9 @@ def combine_block(y_ptr, wts_ptr, res_ptr, out_ptr, t, n, N, stride_y, stride_re
 
 # ---- host side --------------------------------------------------------------------------------
 def route(x: torch.Tensor, router: Linear, top_k: int, norm_topk_prob: bool,
-          ids: torch.Tensor, wts: torch.Tensor, logits: torch.Tensor | None = None,
-          norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+          ids: torch.Tensor, wts: torch.Tensor, logits: torch.Tensor | None = None) -> None:
     """x [T, hidden] f32, router [E, hidden] → ids [T, k] int32, wts [T, k] f32: the top-k of
-    softmax(x @ router.T) in rank order (renormalized over the k when norm_topk_prob).
-    norm (weight, eps): x is the residual stream and the router reads rms_norm(x, weight,
-    eps) (fused into the router's kernel where cuda_q4 does that: cuda_q4.NORM). Returns the
-    router's input (the normed rows where norm is given)."""
+    softmax(x @ router.T) in rank order (renormalized over the k when norm_topk_prob)."""
     t = x.shape[0]
     e = router.out_features
     if ids.shape != (t, top_k) or ids.dtype != torch.int32 or not ids.is_contiguous():
@@ -158,36 +154,25 @@ def route(x: torch.Tensor, router: Linear, top_k: int, norm_topk_prob: bool,
     if not 0 < top_k <= e:
         raise ValueError(f"top_k {top_k} must be in 1..{e}")
     if t == 0:
-        return x if norm is None else torch.empty_like(x)
+        return
     if logits is None:
         logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
     if norm_topk_prob and x.is_cuda and CUDA_TOPK:
         from kernels import cuda_q4
         if cuda_q4.topk_fits(e, top_k, x):  # every route of the device on the CUDA top-k
-            fused = (router.fmt == "q4" and FUSED_ROUTE
-                     and triton_linear.cuda_routed(router, x, logits)
-                     and cuda_q4.route_fits(router, x))
-            if fused and norm is not None and cuda_q4.NORM and cuda_q4.route_norm_fits(router, x):
-                xn = torch.empty_like(x)  # the norm, the router and the top-k: one kernel
-                cuda_q4.route(router, x, logits, ids, wts, norm, xn)
-                return xn
-            if norm is not None:
-                x = triton_norm.rms_norm(x, *norm)
-            if fused:
+            if (router.fmt == "q4" and FUSED_ROUTE and triton_linear.cuda_routed(router, x, logits)
+                    and cuda_q4.route_fits(router, x)):
                 cuda_q4.route(router, x, logits, ids, wts)  # the router's CTA form + the top-k
             else:
                 linear(router, x, logits, tile=None if router.fmt == "q4" else ROUTER_TILE)
                 cuda_q4.topk(logits, ids, wts)
-            return x
-    if norm is not None:
-        x = triton_norm.rms_norm(x, *norm)
+            return
     linear(router, x, logits, tile=None if router.fmt == "q4" else ROUTER_TILE)
     bm = 4
     _topk_kernel[(triton.cdiv(t, bm),)](logits, ids, wts, t, e, logits.stride(0), TOPK=top_k,
                                         NORM=norm_topk_prob, BM=bm,
                                         E_PAD=max(16, triton.next_power_of_2(e)), num_warps=2,
                                         **triton_pdl.launch(x))
-    return x
 
 
 def align(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

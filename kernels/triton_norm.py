@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import cuda_q4, triton_pdl
+from kernels import triton_pdl
 from kernels.triton_pdl import pdl_wait
 
 SOFTMAX_CHUNK = 4096  # elements per step of the chunked softmax (fixed)
@@ -34,12 +34,10 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, K, stride_x, stride_y, eps, BLOCK: tl.
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] f32, weight [K] f32 → out [..., K] f32: RMSNorm over the last dim (out is
-    allocated when not given). With cuda_q4.NORM, kernels/cuda_q4.py's rms_norm_rows."""
+    allocated when not given)."""
     k = x.shape[-1]
     if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.shape != (k,):
         raise ValueError("rms_norm: x [..., K] float32, weight [K] float32")
-    if cuda_q4.NORM and cuda_q4.norm_fits(x, weight):  # the bits cuda_q4.norm_linear stages
-        return cuda_q4.rms_norm(x, weight, eps, out)
     if x.dim() == 2 and x.stride(1) == 1:
         rows = x  # [R, K], row-strided views read in place
     else:

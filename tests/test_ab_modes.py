@@ -98,9 +98,3 @@ def test_the_route_modes_set_the_top_k_kernel(mode, want):
 @pytest.mark.parametrize("mode,want", [("pdl", "None 8"), ("pdl_ctx16", "16 8")])
 def test_the_staged_x_mode_sets_its_ring_depth_alone(mode, want):
     assert _knobs(mode, "cuda_q4.CTA_XS, cuda_q4.DEPTH") == want.split()
-
-
-@pytest.mark.parametrize("mode,want", [("pdl", "False None 8"), ("pdl_fusednorm", "True None 8"),
-                                       ("pdl_fusedroute_fusednorm_ctx8", "True 8 8")])
-def test_the_norm_mode_turns_on_the_cuda_norm_and_leaves_the_linear_alone(mode, want):
-    assert _knobs(mode, "cuda_q4.NORM, cuda_q4.CTA_XS, triton_linear.CUDA_MAX_ROWS") == want.split()

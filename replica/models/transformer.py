@@ -119,7 +119,8 @@ class Transformer:
             cos = self.cos[b.positions][:, None, :]  # [T, 1, D]
             sin = self.sin[b.positions][:, None, :]
         for i, layer in enumerate(self.layers):
-            qkv = ops.norm_linear(layer.qkv, h, layer.attn_norm, cfg.rms_norm_eps)  # [T, (H + 2*KVH) * D]
+            x = ops.rms_norm(h, layer.attn_norm, cfg.rms_norm_eps)
+            qkv = ops.linear(layer.qkv, x)  # [T, (H + 2*KVH) * D]
             if self.fused:  # one kernel: q [T, H, D] out, K/V into the pool
                 q = ops.qkv_rope_store(qkv, b.positions, self.cos, self.sin, layer.q_norm,
                                        layer.k_norm, cfg.rms_norm_eps, b.slots, kv.k[i], kv.v[i],
@@ -135,13 +136,11 @@ class Transformer:
                 kv.write(i, b.slots, k, v.contiguous())
             attn = self._attention(q, kv, i, b, pool)  # [T, H, D]
             h = ops.linear_residual(layer.o, attn.reshape(t, cfg.q_size), h)  # h + o(attn)
-            if layer.moe is not None:  # CUDA: the norm and router, the grouped experts, combine + h
-                h = ops.moe(h, layer.router, layer.moe, cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                            residual=h, norm=(layer.mlp_norm, cfg.rms_norm_eps))
-            elif layer.router is not None:
-                h = self._moe(layer, ops.rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps), h)
+            x = ops.rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps)
+            if layer.router is not None:
+                h = self._moe(layer, x, h)
             else:
-                h = h + _mlp(layer.gate_up, layer.down, ops.rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps))
+                h = h + _mlp(layer.gate_up, layer.down, x)
         hidden = None
         if b.hidden_rows is not None and b.hidden_rows.numel():
             hidden = ops.rms_norm(h[b.hidden_rows], self.final_norm, cfg.rms_norm_eps)
@@ -175,6 +174,9 @@ class Transformer:
     def _moe(self, layer: _Layer, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """h + top-k experts per token; the k contributions are summed in rank order (fixed)."""
         cfg = self.cfg
+        if layer.moe is not None:  # CUDA: router, grouped expert GEMMs, combine + residual
+            return ops.moe(x, layer.router, layer.moe, cfg.num_experts_per_tok,
+                           cfg.norm_topk_prob, residual=h)
         probs = ops.softmax(ops.linear(layer.router, x))  # [T, E]
         top_w, top_i = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)  # [T, k]
         if cfg.norm_topk_prob:
