@@ -47,16 +47,6 @@ def apply(mode: str) -> None:
     if 'tritonrouter' in mode:  # the router on the swapped Triton tile (v17's engine)
         from kernels import triton_linear
         triton_linear.CUDA_MIN_N = None
-    if 'cudatopk' in mode or 'fusedroute' in mode:  # routes on cuda_q4's top-k, ...
-        from kernels import triton_moe_route
-        triton_moe_route.CUDA_TOPK = True
-        triton_moe_route.FUSED_ROUTE = 'fusedroute' in mode  # ... fused into the router's CTAs
-    if 'cudal2' in mode:  # the CTA form prefetching its split into L2 before its PDL wait
-        from kernels import cuda_q4
-        cuda_q4.CTA_L2 = True
-    if re.search(r'ctx[0-9]+', mode):  # the CTA form with x staged in shared memory, N deep
-        from kernels import cuda_q4
-        cuda_q4.CTA_XS = int(re.search(r'ctx([0-9]+)', mode).group(1))
     if 'kvpf' in mode:  # paged attention prefetching its split's K / V into L2 before its
         from kernels import triton_attention  # wait: at every token count (nokvpf: none)
         triton_attention.PREFETCH_KV = None if 'nokvpf' in mode else 1 << 30

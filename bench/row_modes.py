@@ -91,10 +91,6 @@ def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles, weights=("qkv", "
                 if m <= 64:  # the splits in one CTA (16-row tiles a CTA each)
                     modes += [(f"cuda cta {c}c d{d}", dict(cu=1, cols=c, depth=d, cta=True))
                               for c, d in CTA_VARIANTS if n % c == 0 and cuda_q4.cta_takes(lin, c)]
-                if m <= 8:  # ... with x staged in shared memory as fp16, deeper weight rings
-                    modes += [(f"cuda ctx {c}c d{d}", dict(cu=1, cols=c, xs=d, cta=True))
-                              for c, d in ((16, 8), (16, 16), (8, 16))
-                              if n % c == 0 and lin.split <= cuda_q4.CTA_SPLITS_256]
                 if m > 8:  # the weights as the MMA's A operand, x through shared memory
                     modes += [(f"cuda swap mt{mt} w{w}", dict(cu=2, mt=mt, warps=w))
                               for mt, w in SWAP_VARIANTS if n % (16 * mt * w) == 0]

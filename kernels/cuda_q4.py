@@ -114,10 +114,6 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
-}
-
 __device__ __forceinline__ void mma(float d[4], const unsigned a[4], const unsigned b[2]) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
                "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
@@ -218,22 +214,6 @@ __device__ __forceinline__ void lane_bytes(int c, unsigned& sel, int& word) {
   word = (c >> 1) * 4;
 }
 
-// The blocks from `first` of the split [k_lo, k_hi) of the 8 NT columns from n0 into L2, the
-// warp's lanes taking a block each in turn (weights only: no kernel writes them)
-template <int NT>
-__device__ __forceinline__ void prefetch_split(const unsigned char* __restrict__ qs,
-                                               const unsigned* __restrict__ sm, int N, int k_lo,
-                                               int k_hi, int n0, int first) {
-  constexpr int LINES = NT * 8 * 16 / 128;  // 128-byte lines of a block's nibbles
-  const unsigned char* tq = qs + ((long)(k_lo >> 5) * N + n0) * 16;
-  const unsigned* ts = sm + (long)(k_lo >> 5) * N + n0;  // 32 NT bytes a block: within a line
-  for (int b = first + (threadIdx.x & 31); b < (k_hi - k_lo) >> 5; b += 32) {
-#pragma unroll
-    for (int l = 0; l < LINES; ++l) prefetch_l2(tq + (long)b * N * 16 + l * 128);
-    prefetch_l2(ts + (long)b * N);
-  }
-}
-
 // acc += the split [k_lo, k_hi) of the 8 NT columns from n0, its blocks through a ring of D
 // register slots: D blocks' loads (weights and x) in flight ahead of the MMAs, which take the
 // blocks in ascending order. nb % D == 0 (the host picks D); the last round only computes.
@@ -241,8 +221,7 @@ template <bool ROWS16, int NT, int D, typename XT>
 __device__ __forceinline__ void ring_acc(float acc[NT][4], const unsigned char* __restrict__ qs,
                                          const unsigned* __restrict__ sm, const XT* x0,
                                          const XT* x1, bool v0, bool v1, int N, int k_lo,
-                                         int k_hi, int n0, int g, int c, int word, unsigned sel,
-                                         bool l2 = false) {
+                                         int k_hi, int n0, int g, int c, int word, unsigned sel) {
   unsigned w0[D][NT], w1[D][NT], wsm[D][NT];
   float2 xp[D][ROWS16 ? 8 : 4];
   const int nb = (k_hi - k_lo) >> 5;
@@ -256,8 +235,6 @@ __device__ __forceinline__ void ring_acc(float acc[NT][4], const unsigned char* 
     load_block<NT>(wb, sb, w0[j], w1[j], wsm[j]);
     wb += wstep; sb += N;
   }
-  if (l2)  // and the rest of the split's weights into L2 (under PDL: while the previous kernel runs)
-    prefetch_split<NT>(qs, sm, N, k_lo, k_hi, n0, D);
   pdl_wait();
 #pragma unroll
   for (int j = 0; j < D; ++j) {  // their x: a kernel wrote it
@@ -632,9 +609,7 @@ __device__ __forceinline__ void q4_cta(const float* __restrict__ x, const unsign
   float acc[NT][4];
 #pragma unroll
   for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-  ring_acc<ROWS16, NT, D>(acc, qs, sm, x0, x1, v0, v1, N, k_lo, k_hi, n0, g, c, word, sel,
-                          has_res & 2);
-  has_res &= 1;
+  ring_acc<ROWS16, NT, D>(acc, qs, sm, x0, x1, v0, v1, N, k_lo, k_hi, n0, g, c, word, sel);
   float* mine = part + sp * 16 * C;
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
@@ -646,99 +621,6 @@ __device__ __forceinline__ void q4_cta(const float* __restrict__ x, const unsign
   for (int e = threadIdx.x; e < 16 * C; e += blockDim.x) {
     const int r = m0 + e / C;
     if (r >= M) continue;
-    float v = part[e];
-    for (int q = 1; q < S; ++q) v = v + part[q * 16 * C + e];  // split order 0..S-1
-    const long cc = n0 + e % C;
-    y[(long)r * stride_y + cc] = has_res ? res[(long)r * stride_res + cc] + v : v;
-  }
-}
-
-// ---- the CTA form with x staged (q4_ctx): the CTA's rows of x rounded to fp16 once into
-// shared memory (what each warp's ring rounded again per block and column tile), so the ring
-// holds only weights and may be deeper (D up to 16); each block's A fragments are read from
-// shared memory as it is computed. The same fp16 values into the same MMAs in the same order:
-// q4_cta's bits. Up to 8 rows (row r0 = g), up to 8 splits (256 threads); x rows 16-byte
-// aligned. Shared memory: the partials [S][16][C] floats, then x [M][K + 8] fp16 (the 8 pad
-// keeps a warp's fragment reads on distinct banks).
-template <int NT>
-__device__ __forceinline__ void block_mma_xs(float acc[NT][4], const __half* xp, bool v0,
-                                             unsigned sel, const unsigned w0[NT],
-                                             const unsigned w1[NT], const unsigned s[NT]) {
-  unsigned a_lo[4], a_hi[4];  // x_frag's: k = kb + 2c (+ 8) for the low chunk, + 16 (+ 24) high
-  a_lo[0] = v0 ? *reinterpret_cast<const unsigned*>(xp) : 0u;
-  a_lo[2] = v0 ? *reinterpret_cast<const unsigned*>(xp + 8) : 0u;
-  a_hi[0] = v0 ? *reinterpret_cast<const unsigned*>(xp + 16) : 0u;
-  a_hi[2] = v0 ? *reinterpret_cast<const unsigned*>(xp + 24) : 0u;
-  a_lo[1] = a_lo[3] = a_hi[1] = a_hi[3] = 0u;
-#pragma unroll
-  for (int i = 0; i < NT; ++i) {
-    unsigned lo[2], hi[2];
-    dequant(w0[i], w1[i], sel, s[i], lo, hi);
-    mma(acc[i], a_lo, lo);
-    mma(acc[i], a_hi, hi);
-  }
-}
-
-template <int NT, int D>
-__device__ __forceinline__ void q4_ctx(const float* __restrict__ x, const unsigned char* __restrict__ qs,
-                                       const unsigned* __restrict__ sm, const float* __restrict__ res,
-                                       float* __restrict__ y, int M, int N, int K, int stride_x,
-                                       int stride_res, int stride_y, int S, int has_res) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  constexpr int C = 8 * NT;
-  float* part = reinterpret_cast<float*>(smem);  // [S][16][C]
-  __half* xs = reinterpret_cast<__half*>(smem + S * 16 * C * 4);  // [M][K + 8]
-  const int ldx = K + 8;
-  const int lane = threadIdx.x & 31, c = lane & 3, g = lane >> 2, sp = threadIdx.x >> 5;
-  const int n0 = blockIdx.x * C;
-  int k_lo, k_hi, word;
-  unsigned sel;
-  split_k(K, S, sp, k_lo, k_hi);
-  lane_bytes(c, sel, word);
-  const bool v0 = g < M, l2 = has_res & 2;
-  has_res &= 1;
-  unsigned w0[D][NT], w1[D][NT], wsm[D][NT];
-  const int nb = (k_hi - k_lo) >> 5;
-  const long wstep = (long)N * 16;
-  const unsigned char* wb = qs + ((long)(k_lo >> 5) * N + n0 + g) * 16 + word;
-  const unsigned* sb = sm + (long)(k_lo >> 5) * N + n0 + g;
-#pragma unroll
-  for (int j = 0; j < D; ++j) {  // the first D blocks' weights: before the wait (PDL)
-    load_block<NT>(wb, sb, w0[j], w1[j], wsm[j]);
-    wb += wstep; sb += N;
-  }
-  if (l2) prefetch_split<NT>(qs, sm, N, k_lo, k_hi, n0, D);
-  pdl_wait();
-  for (int i = threadIdx.x; i < M * (K >> 2); i += blockDim.x) {  // x → fp16, once a CTA
-    const int r = i / (K >> 2), k4 = (i - r * (K >> 2)) << 2;
-    const float4 v = __ldg(reinterpret_cast<const float4*>(x + (long)r * stride_x + k4));
-    *reinterpret_cast<uint2*>(xs + r * ldx + k4) =
-        make_uint2(half2_bits(__floats2half2_rn(v.x, v.y)), half2_bits(__floats2half2_rn(v.z, v.w)));
-  }
-  __syncthreads();
-  const __half* xr = xs + (v0 ? g : 0) * ldx + k_lo + 2 * c;
-  float acc[NT][4];
-#pragma unroll
-  for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-  for (int r = 0; r < nb; r += D) {  // blocks ascending; the next round's loads behind each
-#pragma unroll
-    for (int j = 0; j < D; ++j) {
-      block_mma_xs<NT>(acc, xr + (r + j) * 32, v0, sel, w0[j], w1[j], wsm[j]);
-      if (r + D < nb) {
-        load_block<NT>(wb, sb, w0[j], w1[j], wsm[j]);
-        wb += wstep; sb += N;
-      }
-    }
-  }
-  float* mine = part + sp * 16 * C;
-#pragma unroll
-  for (int i = 0; i < NT; ++i) {
-    const int cc = 8 * i + 2 * c;
-    *reinterpret_cast<float2*>(mine + g * C + cc) = make_float2(acc[i][0], acc[i][1]);
-  }
-  __syncthreads();
-  for (int e = threadIdx.x; e < M * C; e += blockDim.x) {  // rows < M: q4_cta's merge
-    const int r = e / C;
     float v = part[e];
     for (int q = 1; q < S; ++q) v = v + part[q * 16 * C + e];  // split order 0..S-1
     const long cc = n0 + e % C;
@@ -767,7 +649,7 @@ __device__ __forceinline__ void q4_expert_cta(const void* __restrict__ xv, const
                                               const unsigned char* __restrict__ qs,
                                               const unsigned* __restrict__ sm, void* __restrict__ outv,
                                               int N, int K, int stride_x, int stride_out, int S,
-                                              int topk, int l2) {
+                                              int topk) {
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int C = 8 * NT;
   float* part = reinterpret_cast<float*>(smem);  // [S][C]: row 0 of each split's partial
@@ -777,12 +659,6 @@ __device__ __forceinline__ void q4_expert_cta(const void* __restrict__ xv, const
   int k_lo, k_hi, word;
   unsigned sel;
   split_k(K, S, sp, k_lo, k_hi);
-  if (!GATE_UP && l2) {  // down: ids were written two kernels back (before gate_up's wait let
-    // this kernel be scheduled), so the expert's split can go to L2 while gate_up runs; only a
-    // prefetch: the loads below read ids again after the wait
-    const long e0 = ids[a];
-    prefetch_split<NT>(qs + e0 * per_expert * 16, sm + e0 * per_expert, N, k_lo, k_hi, n0, 0);
-  }
   pdl_wait();  // ids: the top-k's (gate_up)
   const long e = ids[a];
   const unsigned char* qe = qs + e * per_expert * 16;
@@ -823,107 +699,11 @@ __device__ __forceinline__ void q4_expert_cta(const void* __restrict__ xv, const
   }
 }
 
-// ---- routing: the top-k of a row's logits, and the router's CTA form with it fused ----------
-// One warp, one row of E <= 256 logits (lane l holds l, l + 32, ...): k rounds, each the row's
-// best untaken logit (ties to the lower id; a NaN never beats a number), so the picks are
-// exact; then lane r < k holds rank r's logit l_r and weight
-// w_r = exp(l_r - l_0) / (sum over ranks 0..k-1 of exp(l_s - l_0), added in rank order) —
-// softmax then renormalization over the k, with the full softmax's denominator cancelled.
-// Every CUDA route of the engine runs this one function, so its bits do not depend on the
-// batch. ids [k] int32, wts [k] fp32.
-// (a, ia) before (b, ib): none (ib < 0) last; numbers by value, descending, then NaNs; ties to
-// the lower id — a total order, so the picks do not depend on the order of the comparisons
-__device__ __forceinline__ bool route_better(float a, int ia, float b, int ib) {
-  const bool an = a != a, bn = b != b;
-  if (ib < 0) return true;
-  if (an != bn) return bn;
-  return an ? ia < ib : (a > b || (a == b && ia < ib));
-}
-
-__device__ __forceinline__ void topk_warp(const float* logits, int E, int k, int* ids, float* wts) {
-  const int lane = threadIdx.x & 31;
-  float v[8];
-  unsigned taken = 0;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const int e = lane + 32 * j;
-    v[j] = e < E ? __ldcg(logits + e) : 0.f;
-    if (e >= E) taken |= 1u << j;
-  }
-  float mine = 0.f;
-  int mine_id = 0;
-  for (int r = 0; r < k; ++r) {
-    float bv = 0.f;
-    int bi = -1;
-#pragma unroll
-    for (int j = 0; j < 8; ++j)  // ascending ids: strict comparisons keep the lowest
-      if (!(taken >> j & 1u) && route_better(v[j], lane + 32 * j, bv, bi)) { bv = v[j]; bi = lane + 32 * j; }
-#pragma unroll
-    for (int o = 16; o; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-      if (oi >= 0 && route_better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
-    }
-    bv = __shfl_sync(0xffffffffu, bv, 0);
-    bi = __shfl_sync(0xffffffffu, bi, 0);
-    if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
-    if (lane == r) { mine = bv; mine_id = bi; }
-  }
-  const float top = __shfl_sync(0xffffffffu, mine, 0);
-  const float ex = lane < k ? expf(mine - top) : 0.f;
-  float total = 0.f;
-  for (int r = 0; r < k; ++r) total = total + __shfl_sync(0xffffffffu, ex, r);  // rank order
-  if (lane < k) {
-    ids[lane] = mine_id;
-    wts[lane] = ex / total;
-  }
-}
-
-// grid cdiv(T, 4), 128 threads: warp w the row blockIdx.x * 4 + w
-extern "C" __global__ void __launch_bounds__(128) route_topk(const float* __restrict__ logits, int T, int E,
-                                                            int stride, int k, int* __restrict__ ids,
-                                                            float* __restrict__ wts) {
-  pdl_wait();
-  const int row = blockIdx.x * 4 + (threadIdx.x >> 5);
-  if (row < T) topk_warp(logits + (long)row * stride, E, k, ids + (long)row * k, wts + (long)row * k);
-}
-
-// The router in the CTA form (q4_cta, up to 8 rows: its bits) writing the logits, then the last
-// CTA to finish (a ticket, reset by that CTA for the next launch) runs topk_warp on every row:
-// one kernel instead of two, the top-k's bits.
-template <int NT, int D>
-__device__ __forceinline__ void q4_route(const float* __restrict__ x, const unsigned char* __restrict__ qs,
-                                         const unsigned* __restrict__ sm, float* __restrict__ y,
-                                         int* __restrict__ ids, float* __restrict__ wts,
-                                         int* __restrict__ ticket, int M, int N, int K, int stride_x,
-                                         int stride_y, int S, int k, int flags) {
-  __shared__ int last;
-  q4_cta<false, NT, D>(x, qs, sm, y, y, M, N, K, stride_x, stride_y, stride_y, S, flags & 2);
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == (int)gridDim.x - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  for (int r = threadIdx.x >> 5; r < M; r += blockDim.x >> 5)
-    topk_warp(y + (long)r * stride_y, N, k, ids + (long)r * k, wts + (long)r * k);
-  if (threadIdx.x == 0) atomicExch(ticket, 0);
-}
-
-#define Q4_ROUTE(W, THREADS, NT, D) extern "C" __global__ void __launch_bounds__(THREADS, 1) \
-    q4_route##W##_##NT##_d##D(const float* x, const unsigned char* qs, const unsigned* sm, float* y, \
-                              int* ids, float* wts, int* ticket, int M, int N, int K, int stride_x, \
-                              int stride_y, int S, int k, int flags) { \
-    q4_route<NT, D>(x, qs, sm, y, ids, wts, ticket, M, N, K, stride_x, stride_y, S, k, flags); }
-Q4_ROUTE(, 256, 1, 2) Q4_ROUTE(, 256, 1, 4) Q4_ROUTE(, 256, 1, 8) Q4_ROUTE(, 256, 2, 2)
-Q4_ROUTE(, 256, 2, 4) Q4_ROUTE(, 256, 2, 8) Q4_ROUTE(w, 512, 1, 2) Q4_ROUTE(w, 512, 1, 4)
-Q4_ROUTE(w, 512, 1, 8) Q4_ROUTE(w, 512, 2, 2)
-
 #define Q4_EXPERT(KIND, GU, NT, D) extern "C" __global__ void __launch_bounds__(256, 1) \
     q4_e##KIND##NT##_d##D(const void* x, const int* ids, const unsigned char* qs, \
                           const unsigned* sm, void* out, int N, int K, int stride_x, \
-                          int stride_out, int S, int topk, int l2) { \
-    q4_expert_cta<NT, D, GU>(x, ids, qs, sm, out, N, K, stride_x, stride_out, S, topk, l2); }
+                          int stride_out, int S, int topk) { \
+    q4_expert_cta<NT, D, GU>(x, ids, qs, sm, out, N, K, stride_x, stride_out, S, topk); }
 #define Q4_EXPERTS(KIND, GU) Q4_EXPERT(KIND, GU, 1, 2) Q4_EXPERT(KIND, GU, 1, 4) \
     Q4_EXPERT(KIND, GU, 1, 8) Q4_EXPERT(KIND, GU, 2, 2) Q4_EXPERT(KIND, GU, 2, 4) \
     Q4_EXPERT(KIND, GU, 2, 8) Q4_EXPERT(KIND, GU, 4, 2) Q4_EXPERT(KIND, GU, 4, 4)
@@ -956,11 +736,6 @@ extern "C" __global__ void q4_probe3(Q4_ARGS) { q4_split<false, 2, 0, 3>(Q4_PASS
 Q4_CTA(8, 1, 2) Q4_CTA(8, 1, 4) Q4_CTA(8, 1, 8) Q4_CTA(8, 2, 2) Q4_CTA(8, 2, 4) Q4_CTA(8, 2, 8)
 Q4_CTA(8, 4, 2) Q4_CTA(8, 4, 4) Q4_CTA(16, 1, 2) Q4_CTA(16, 1, 4) Q4_CTA(16, 2, 2)
 Q4_CTA(16, 2, 4) Q4_CTA(16, 4, 2) Q4_CTA(16, 4, 4)
-// the CTA form with x staged (q4_ctx): entries q4_ctx_{NT}_d{D}, up to 8 rows and 8 splits
-#define Q4_CTX(NT, D) extern "C" __global__ void __launch_bounds__(256, 1) \
-    q4_ctx_##NT##_d##D(Q4_ARGS) { \
-    q4_ctx<NT, D>(x, qs, sm, res, y, M, N, K, stride_x, stride_res, stride_y, S, has_res); }
-Q4_CTX(1, 4) Q4_CTX(1, 8) Q4_CTX(1, 16) Q4_CTX(2, 4) Q4_CTX(2, 8) Q4_CTX(2, 16)
 // 9-16 splits (the router's 16): 512 threads a CTA, the rings that fit 128 registers unspilled
 #define Q4_CTAW(ROWS, NT, D) extern "C" __global__ void __launch_bounds__(512, 1) \
     q4_ctaw##ROWS##_##NT##_d##D(Q4_ARGS) { \
@@ -1064,12 +839,6 @@ ENTRIES += tuple(f"q4_ctaw{rows}_{cols // 8}_d{d}".encode()
 ENTRIES += tuple(f"q4_cta{rows}_{cols // 8}_d{d}".encode()
                  for rows in (8, 16) for cols in (8, 16, 32) for d in (2, 4, 8)
                  if cols * d <= 128 and (d < 8 or rows == 8))
-ENTRIES += tuple(f"q4_route{'w' if wide else ''}_{nt}_d{d}".encode()
-                 for wide, forms in ((False, ((1, 8), (2, 8))), (True, ((1, 8), (2, 2))))
-                 for nt, top in forms for d in (2, 4, 8) if d <= top)
-ENTRIES += (b"route_topk",)
-ENTRIES += tuple(f"q4_ctx_{nt}_d{d}".encode() for nt in (1, 2) for d in (4, 8, 16))
-ROUTE_MAX_E, ROUTE_MAX_K = 256, 32  # the CUDA top-k: logits a row (8 a lane), picks (a lane each)
 STREAM = 0  # the depth that names the other form: the warp's split streamed into shared memory
 PROBES = (b"q4_probe1", b"q4_probe2", b"q4_probe3")  # bench only: 16 columns, <= 8 rows, streamed
 COLS = 16  # columns a warp by default (the fastest at 1-8 rows of qkv, GPU_NOTES v15)
@@ -1083,15 +852,6 @@ EXPERT_MAX_SPLIT = CTA_SPLITS_256  # the experts' CTA form: 256-thread entries o
 # at depth 8 a split of fewer blocks runs depth 4: H100, cold, o (16 blocks a split) 1 / 8 rows
 # 6.1 / 8.3 µs at depth 8, 5.8 / 7.2 at 4; qkv (32 blocks) 7.7 / 9.4 at 8, 8.1 / 9.7 at 4
 CTA_DEEP_BLOCKS = 32
-# the CTA form prefetches into L2, before its PDL wait, the blocks of its splits past the
-# ring's first (under PDL the kernel is scheduled while its predecessor runs, so the weights are
-# on their way early), and so does the experts' down its whole split; no arithmetic changes,
-# so no bit. Off until measured (GPU_NOTES v18; bench/ab_modes.py `cudal2`)
-CTA_L2 = False
-# the CTA form at 1-8 rows and up to 8 splits with x staged in shared memory as fp16 (q4_ctx),
-# its weight ring this deep (4, 8 or 16; halved to whole rounds): q4_cta's bits. None: off
-# (built in the nineteenth session, unmeasured; bench/ab_modes.py `ctxN`)
-CTA_XS: int | None = None
 SWAP_MT = 2  # the swapped form: m16 feature tiles a warp
 SWAP_WARPS = 4  # ... and warps a CTA
 EXPERT_COLS = 16  # the direct experts' CTA form: columns a warp
@@ -1163,7 +923,7 @@ def _tickets(lin: Q4Linear, cols: int) -> torch.Tensor:
 def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
            residual: torch.Tensor | None = None, cols: int | None = None, warps: int = 1,
            depth: int | None = None, probe: bytes | None = None,
-           cta: bool | None = None, xs: int | None = None) -> torch.Tensor:
+           cta: bool | None = None) -> torch.Tensor:
     """out [n, N] = x @ W.T (+ residual), as kernels/triton_q4.py `linear` with LINEAR_TILE and
     parallel splits computes it; x [n, K] float32 contiguous rows, CUDA tensors; N a multiple
     of `cols` (8, 16 or 32 columns a warp; `warps` warps a CTA), K of 64; `depth` (2, 4 or 8)
@@ -1171,16 +931,12 @@ def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
     shared memory at once.
     probe: a PROBES kernel to launch instead (bench only: wrong values). cta (default CTA):
     the CTA form where it applies (a ring depth, ≤ CTA_MAX_SPLIT splits), a CTA the splits of
-    a column tile (`warps` ignored); xs (default CTA_XS): that form with x staged in shared
-    memory, its ring `xs` deep, where it applies (≤ 8 rows and splits, 8 or 16 columns)."""
+    a column tile (`warps` ignored)."""
     n, big_n, k = x.shape[0], lin.out_features, lin.in_features
     chosen = depth is not None
     cols, depth = cols or COLS, DEPTH if depth is None else depth
     cta = CTA if cta is None else cta
-    xs = CTA_XS if xs is None else xs
     if cta and probe is None and depth != STREAM and cta_takes(lin, cols):
-        if xs and _xs_takes(lin, x, cols):
-            return _ctx_linear(lin, x, out, residual, cols, xs)
         return _cta_linear(lin, x, out, residual, cols, depth, chosen)
     _check(x, out, residual)
     if cols not in (8, 16, 32) or big_n % cols or k % 64 or LINEAR_TILE.bk != 64 \
@@ -1239,38 +995,7 @@ def _cta_linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
     _launch(cuda, fn, (big_n // cols, 1, -(-n // 16)), 32 * lin.split, lin.split * 16 * cols * 4,
             (x, lin.qs, sm, res, out, out, sm),
             (n, big_n, k, x.stride(0), res.stride(0), out.stride(0), lin.split,
-             int(residual is not None) | (2 if CTA_L2 else 0)))
-    return out
-
-
-def _xs_takes(lin: Q4Linear, x: torch.Tensor, cols: int) -> bool:
-    """Whether q4_ctx takes lin and x at `cols` columns a warp."""
-    return (x.shape[0] <= 8 and lin.split <= CTA_SPLITS_256 and cols in (8, 16)
-            and x.data_ptr() % 16 == 0 and x.stride(0) % 4 == 0)
-
-
-def _ctx_linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
-                residual: torch.Tensor | None, cols: int, depth: int) -> torch.Tensor:
-    """`linear` in the CTA form with x staged in shared memory (q4_ctx), a ring `depth`
-    blocks deep (4, 8 or 16; halved to whole rounds)."""
-    n, big_n, k = x.shape[0], lin.out_features, lin.in_features
-    _check(x, out, residual)
-    if depth not in (4, 8, 16) or big_n % cols or k % 64 or not _xs_takes(lin, x, cols):
-        raise ValueError("cuda_q4: the staged-x CTA form needs depth 4, 8 or 16, ≤ 8 rows of "
-                         "16-byte aligned x, ≤ 8 splits, 8 or 16 columns dividing N, K a "
-                         "multiple of 64")
-    blocks = -(-k // 64 // lin.split) * 2
-    while blocks % depth and depth > 1:
-        depth //= 2
-    if depth < 4:
-        return _cta_linear(lin, x, out, residual, cols, DEPTH)
-    cuda, fns = _functions(x.device.index or 0)
-    res = residual if residual is not None else out
-    smem = lin.split * 16 * cols * 4 + n * (k + 8) * 2
-    _launch(cuda, fns[f"q4_ctx_{cols // 8}_d{depth}".encode()], (big_n // cols, 1, 1),
-            32 * lin.split, smem, (x, lin.qs, lin.sm.view(torch.int32), res, out, out, x),
-            (n, big_n, k, x.stride(0), res.stride(0), out.stride(0), lin.split,
-             int(residual is not None) | (2 if CTA_L2 else 0)))
+             int(residual is not None)))
     return out
 
 
@@ -1288,48 +1013,6 @@ def _cta_plan(lin: Q4Linear, rows: int, cols: int, depth: int, chosen: bool) -> 
     while blocks % depth or (depth == 8 and rows > 8):
         depth //= 2
     return wide, depth
-
-
-_ROUTE_TICKETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # router → its ticket
-
-
-def topk_fits(e: int, top_k: int, x: torch.Tensor) -> bool:
-    """Whether the CUDA top-k (`topk`, `route`) takes E logits and top_k picks on x's device."""
-    return (x.is_cuda and 0 < top_k <= min(e, ROUTE_MAX_K) and e <= ROUTE_MAX_E
-            and available(x.device.index or 0))
-
-
-def route_fits(lin: Q4Linear, x: torch.Tensor) -> bool:
-    """Whether `route` (the router's CTA form with the top-k fused) takes lin and x, given
-    operands that `fits` takes (triton_linear.cuda_routed checked it): up to 8 rows, COLS
-    columns a warp (8 or 16), a ring depth, and the CTA form's splits."""
-    return (x.shape[0] <= 8 and COLS in (8, 16) and DEPTH != STREAM and CTA
-            and cta_takes(lin, COLS))
-
-
-def topk(logits: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor) -> None:
-    """ids [T, k], wts [T, k] = each row's top-k of logits [T, E] (topk_warp: ties to the lower
-    id, the weights renormalized over the k in rank order)."""
-    t, e = logits.shape
-    cuda, fns = _functions(logits.device.index or 0)
-    _launch(cuda, fns[b"route_topk"], (-(-t // 4), 1, 1), 128, 0, (logits,),
-            (t, e, logits.stride(0), ids.shape[1]), tail=(ids, wts))
-
-
-def route(lin: Q4Linear, x: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor,
-          wts: torch.Tensor) -> None:
-    """logits [T, E] = x @ lin.T in the CTA form (its bits), and ids / wts as `topk` gives
-    them, in one kernel: the last CTA to finish (a ticket) picks every row's top-k."""
-    n, big_n, k = x.shape[0], lin.out_features, lin.in_features
-    cuda, fns = _functions(x.device.index or 0)
-    wide, depth = _cta_plan(lin, 8, COLS, DEPTH, False)
-    if lin not in _ROUTE_TICKETS:
-        _ROUTE_TICKETS[lin] = torch.zeros(1, dtype=torch.int32, device=lin.qs.device)
-    fn = fns[f"q4_route{'w' if wide else ''}_{COLS // 8}_d{depth}".encode()]
-    _launch(cuda, fn, (big_n // COLS, 1, 1), 32 * lin.split, lin.split * 16 * COLS * 4,
-            (x, lin.qs, lin.sm.view(torch.int32), logits, ids, wts, _ROUTE_TICKETS[lin]),
-            (n, big_n, k, x.stride(0), logits.stride(0), lin.split, ids.shape[1],
-             2 if CTA_L2 else 0))
 
 
 def experts_fit(experts, x: torch.Tensor) -> bool:
@@ -1372,7 +1055,7 @@ def experts_direct(x: torch.Tensor, ids: torch.Tensor, experts, inter: torch.Ten
             d //= 2
         _launch(cuda, fns[f"q4_e{kind}{cols // 8}_d{d}".encode()], (n // cols, t * top_k, 1),
                 32 * split, split * cols * 4, (src, ids, w, s.view(torch.int32), dst),
-                (n, k, src.stride(0), dst.stride(0), split, top_k, int(CTA_L2)))
+                (n, k, src.stride(0), dst.stride(0), split, top_k))
 
 
 def _check(x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None) -> None:
@@ -1403,18 +1086,16 @@ PDL = True
 
 
 def _launch(cuda: ctypes.CDLL, fn: ctypes.c_void_p, grid: tuple[int, int, int], threads: int,
-            smem: int, tensors: tuple, ints: tuple, tail: tuple = ()) -> None:
+            smem: int, tensors: tuple, ints: tuple) -> None:
     """fn<<<grid, threads, smem>>> on torch's current stream with the tensors' addresses,
-    then the ints, then the tail's addresses (Q4_ARGS for most entries), with PDL where `PDL`
-    and kernels/triton_pdl.py allow; above 48 KB of dynamic shared memory the kernel is opted
-    in first (once a size)."""
+    then the ints (Q4_ARGS for most entries), with PDL where `PDL` and kernels/triton_pdl.py
+    allow; above 48 KB of dynamic shared memory the kernel is opted in first (once a size)."""
     if smem > 48 * 1024 and (fn.value, smem) not in _BIG_SMEM:
         # (attribute 8: CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)
         if smem > 227 * 1024 or cuda.cuFuncSetAttribute(fn, 8, smem):
             raise ValueError(f"cuda_q4: {smem} bytes of shared memory: more than the device gives")
         _BIG_SMEM.add((fn.value, smem))
-    args = ([ctypes.c_void_p(t.data_ptr()) for t in tensors] + [ctypes.c_int(v) for v in ints]
-            + [ctypes.c_void_p(t.data_ptr()) for t in tail])
+    args = [ctypes.c_void_p(t.data_ptr()) for t in tensors] + [ctypes.c_int(v) for v in ints]
     argv = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p)
                                            for a in args])
     from kernels import triton_pdl  # (here: importing triton at module import would keep the

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import triton_linear, triton_pdl
+from kernels import triton_pdl
 from kernels.linear import Linear
 from kernels.triton_linear import TileConfig, linear
 from kernels.triton_pdl import pdl_wait
@@ -26,15 +26,6 @@ ROUTER_TILE = TileConfig(bm=16, bn=16, bk=256, warps=4, stages=2)  # f32/q8 rout
 # bounds (a 4,096-token prefill step scanned 32K ids 256 at a time: 108 µs a layer on the
 # H200); the lists come out the same whatever the step
 SCAN_MIN, SCAN_MAX = 256, 4096
-# on CUDA, where kernels/cuda_q4.py loads, renormalized top-k routes run its top-k
-# (`topk_warp`: the picks on the logits, the weights exp(l - l_max) renormalized in rank order)
-# at every row count — one function, so the bits follow no batch — and at 1-8 rows whose
-# router runs its CTA form, fused into the router's kernel (FUSED_ROUTE: the last CTA picks).
-# Elsewhere (CPU, no NVRTC, no renormalization) _topk_kernel. Off until measured on a GPU
-# (built in the nineteenth session, no machine came to run it: GPU_NOTES v18;
-# bench/ab_modes.py `cudatopk`, `fusedroute`)
-CUDA_TOPK = False
-FUSED_ROUTE = True
 
 
 # ---- device code ------------------------------------------------------------------------------
@@ -157,16 +148,6 @@ def route(x: torch.Tensor, router: Linear, top_k: int, norm_topk_prob: bool,
         return
     if logits is None:
         logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
-    if norm_topk_prob and x.is_cuda and CUDA_TOPK:
-        from kernels import cuda_q4
-        if cuda_q4.topk_fits(e, top_k, x):  # every route of the device on the CUDA top-k
-            if (router.fmt == "q4" and FUSED_ROUTE and triton_linear.cuda_routed(router, x, logits)
-                    and cuda_q4.route_fits(router, x)):
-                cuda_q4.route(router, x, logits, ids, wts)  # the router's CTA form + the top-k
-            else:
-                linear(router, x, logits, tile=None if router.fmt == "q4" else ROUTER_TILE)
-                cuda_q4.topk(logits, ids, wts)
-            return
     linear(router, x, logits, tile=None if router.fmt == "q4" else ROUTER_TILE)
     bm = 4
     _topk_kernel[(triton.cdiv(t, bm),)](logits, ids, wts, t, e, logits.stride(0), TOPK=top_k,

@@ -82,19 +82,9 @@ def test_the_head_split_and_prefetch_modes_leave_the_split_alone(mode, want):
                         "triton_attention.PREFETCH_KV") == want.split()
 
 
-@pytest.mark.parametrize("mode,want", [("pdl", "True True False"),
-                                       ("pdl_nocudapdl_cudal2", "True False True"),
-                                       ("nopdl_cudapdl", "False True False")])
+@pytest.mark.parametrize("mode,want", [("pdl", "True True"),
+                                       ("pdl_nocudapdl", "True False"),
+                                       ("nopdl_cudapdl", "False True")])
 def test_the_cuda_launch_modes_leave_the_triton_launches_alone(mode, want):
-    assert _knobs(mode, "triton_pdl.ENABLED, cuda_q4.PDL, cuda_q4.CTA_L2") == want.split()
+    assert _knobs(mode, "triton_pdl.ENABLED, cuda_q4.PDL") == want.split()
 
-
-@pytest.mark.parametrize("mode,want", [("pdl", "False True"), ("pdl_cudatopk", "True False"),
-                                       ("pdl_fusedroute", "True True")])
-def test_the_route_modes_set_the_top_k_kernel(mode, want):
-    assert _knobs(mode, "triton_moe_route.CUDA_TOPK, triton_moe_route.FUSED_ROUTE") == want.split()
-
-
-@pytest.mark.parametrize("mode,want", [("pdl", "None 8"), ("pdl_ctx16", "16 8")])
-def test_the_staged_x_mode_sets_its_ring_depth_alone(mode, want):
-    assert _knobs(mode, "cuda_q4.CTA_XS, cuda_q4.DEPTH") == want.split()

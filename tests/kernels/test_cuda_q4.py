@@ -49,9 +49,6 @@ def test_every_kernel_waits_on_its_predecessor_and_the_ring_loads_weights_before
             wait = body.index("griddepcontrol.wait;")
             assert body.index("ld.global.nc") < wait, name  # the weights: before
             assert re.search(r"ld\.global\.nc\.v2\.f32", body[wait:]), name  # x: after
-        if name.startswith("q4_ctx"):  # x staged once, after the wait
-            wait = body.index("griddepcontrol.wait;")
-            assert body.index("ld.global.nc") < wait < body.index("ld.global.nc.v4.f32"), name
 
 
 def test_the_launch_structures_match_the_driver_header(tmp_path):
@@ -161,8 +158,7 @@ def test_the_cuda_q4_kernel_gives_the_decode_tile_bits(n, k):
 def test_the_cta_form_gives_the_decode_tile_bits(n, k, programs):
     """q4_cta (a CTA a column tile's splits, merged in shared memory): the split programs'
     bits at 1-40 rows (one and several row tiles), with and without the residual, for split
-    counts of 1-16 (the weights re-split for `programs`; above 8 the 512-thread entries);
-    q4_ctx (x staged in shared memory) at 1-8 rows and up to 8 splits."""
+    counts of 1-16 (the weights re-split for `programs`; above 8 the 512-thread entries)."""
     from bench.kernel_bench import rand_q4
     from kernels import q4_layout, triton_q4
 
@@ -182,13 +178,6 @@ def test_the_cta_form_gives_the_decode_tile_bits(n, k, programs):
             assert torch.equal(got, want), (m, cols, depth, lin.split, float((got - want).abs().max()))
             got = cuda_q4.linear(lin, x, nan(m), cols=cols, depth=depth, cta=True)
             assert torch.equal(got, bare), (m, cols, depth, lin.split)
-        for cols, xs in ((16, 16), (16, 8), (8, 16), (16, 4)):  # x staged in shared memory
-            if m > 8 or lin.split > cuda_q4.CTA_SPLITS_256 or n % cols:
-                continue
-            got = cuda_q4.linear(lin, x, nan(m), res, cols=cols, cta=True, xs=xs)
-            assert torch.equal(got, want), (m, cols, "xs", xs, lin.split)
-            got = cuda_q4.linear(lin, x, nan(m), cols=cols, cta=True, xs=xs)
-            assert torch.equal(got, bare), (m, cols, "xs", xs, lin.split)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -218,7 +207,6 @@ def test_a_chain_of_cuda_linears_under_pdl_in_a_graph_reads_each_input_after_it_
         return out
 
     monkeypatch.setattr(cuda_q4, "PDL", True)
-    monkeypatch.setattr(cuda_q4, "CTA_L2", True)
     chain()  # loads the module outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -316,8 +304,7 @@ def test_the_direct_experts_in_the_cta_form_give_the_split_programs_bits(monkeyp
         for cols, depth in ((16, 4), (8, 8), (32, 4), (16, 2)):
             monkeypatch.setattr(cuda_q4, "EXPERT_COLS", cols)
             monkeypatch.setattr(cuda_q4, "EXPERT_DEPTH", depth)
-            monkeypatch.setattr(cuda_q4, "PDL", depth == 4)  # launches and prefetches: no bit
-            monkeypatch.setattr(cuda_q4, "CTA_L2", depth == 4)
+            monkeypatch.setattr(cuda_q4, "PDL", depth == 4)  # the launch: no bit
             got_i = torch.full_like(want_i, float("nan"))
             got_y = torch.full_like(want_y, float("nan"))
             calls = []
@@ -345,59 +332,3 @@ def test_the_ptx_is_compiled_once_and_kept_on_disk(monkeypatch, tmp_path):
     cuda_q4.ptx("compute_90")
     assert len(calls) == 4  # another source: another file
 
-
-def _topk_reference(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64: the top-k by logit (ties to the lower id), softmax renormalized over the k."""
-    order = torch.sort(logits.double(), dim=1, descending=True, stable=True).indices[:, :k]
-    top = logits.double().gather(1, order)
-    w = torch.softmax(top, dim=1)
-    return order.int(), w
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("e,k", [(128, 8), (64, 1), (256, 32), (60, 6)])
-def test_the_cuda_top_k_picks_the_largest_logits_and_renormalizes_them(e, k):
-    g = torch.Generator("cuda").manual_seed(e + k)
-    t = 37
-    logits = torch.randn(t, e, generator=g, device="cuda") * 3
-    logits[3, :] = 0.5  # all tied: the k lowest ids, equal weights
-    logits[4, 7] = logits[4, 9] = logits[4].max() + 1  # a tie at the top: 7 first
-    logits[5, 0] = float("nan")  # a NaN is never picked over a number
-    ids = torch.full((t, k), -5, dtype=torch.int32, device="cuda")
-    wts = torch.full((t, k), float("nan"), device="cuda")
-    cuda_q4.topk(logits, ids, wts)
-    want_ids, want_w = _topk_reference(torch.nan_to_num(logits, nan=-float("inf")), k)
-    assert torch.equal(ids, want_ids)
-    assert torch.allclose(wts.double(), want_w, rtol=4e-6, atol=1e-7)
-    assert ids[3].tolist() == list(range(k)) and ids[4, :2].tolist() == [7, 9][:k]
-    assert 0 not in ids[5].tolist() and not wts.isnan().any()
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("n,k,programs", [(128, 2048, 256), (128, 2048, 16), (64, 512, 4)])
-def test_the_fused_route_gives_the_router_and_top_k_bits_alone_or_among_others(monkeypatch, n, k,
-                                                                             programs):
-    """cuda_q4.route (the router's CTA form, the last CTA picking the top-k): its logits are the
-    CTA form's, its ids / wts those of `topk` on them, for a row alone or among 1-8 (and
-    through triton_moe_route.route at 9-40 rows, unfused: the same bits); its ticket resets."""
-    from bench.kernel_bench import rand_q4
-    from kernels import q4_layout, triton_moe_route
-
-    g = torch.Generator("cuda").manual_seed(n + k + programs)
-    lin = q4_layout.repack(rand_q4(n, k, g), q4_layout.LINEAR_TILE, programs)
-    x = torch.randn(40, k, generator=g, device="cuda")
-    nan = lambda *s: torch.full(s, float("nan"), device="cuda")  # noqa: E731
-    want_l = cuda_q4.linear(lin, x[:8], nan(8, n))
-    want_i, want_w = torch.empty(8, 8, dtype=torch.int32, device="cuda"), nan(8, 8)
-    cuda_q4.topk(want_l, want_i, want_w)
-    for m in (1, 3, 8):
-        assert cuda_q4.fits(lin, x[:m], nan(m, n)) and cuda_q4.route_fits(lin, x[:m])
-        logits, ids, wts = nan(m, n), torch.full((m, 8), -5, dtype=torch.int32, device="cuda"), nan(m, 8)
-        cuda_q4.route(lin, x[8 - m:8], logits, ids, wts)
-        assert torch.equal(logits, want_l[8 - m:]), m
-        assert torch.equal(ids, want_i[8 - m:]) and torch.equal(wts, want_w[8 - m:]), m
-        assert cuda_q4._ROUTE_TICKETS[lin].item() == 0
-    big_i, big_w = torch.empty(40, 8, dtype=torch.int32, device="cuda"), nan(40, 8)
-    monkeypatch.setattr(triton_moe_route, "CUDA_TOPK", True)
-    triton_moe_route.route(x, lin, 8, True, big_i, big_w)
-    assert torch.equal(big_i[:8], want_i) and torch.equal(big_w[:8], want_w)
