@@ -51,7 +51,11 @@ v19).
 
 Built at run time: NVRTC (found in the nvidia wheels beside torch, or pip's
 nvidia-cuda-nvrtc-cu12) compiles the source to PTX for the device's compute capability, and
-the driver loads the PTX (libcuda `cuModuleLoadData`). `ptx()` runs without a GPU.
+the driver loads the PTX (libcuda `cuModuleLoadData`). `ptx()` runs without a GPU. Two
+modules: CORE, the kernels the engine launches (2.0 MB of PTX: NVRTC 2.8 s, ptxas 2.0 s on a
+2-core CPU), built at load; EXTRA, the forms only the benches and tests run (4.4 MB: 7.5 s and
+12.6 s), built on the first launch of one of them — a fresh machine's first load no longer
+compiles them.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ import glob
 import hashlib
 import os
 import site
+import threading
 import warnings
 import weakref
 
@@ -707,7 +712,6 @@ __device__ __forceinline__ void q4_expert_cta(const void* __restrict__ xv, const
 #define Q4_EXPERTS(KIND, GU) Q4_EXPERT(KIND, GU, 1, 2) Q4_EXPERT(KIND, GU, 1, 4) \
     Q4_EXPERT(KIND, GU, 1, 8) Q4_EXPERT(KIND, GU, 2, 2) Q4_EXPERT(KIND, GU, 2, 4) \
     Q4_EXPERT(KIND, GU, 2, 8) Q4_EXPERT(KIND, GU, 4, 2) Q4_EXPERT(KIND, GU, 4, 4)
-Q4_EXPERTS(gu, true) Q4_EXPERTS(dn, false)
 
 #define Q4_ARGS const float* __restrict__ x, const unsigned char* __restrict__ qs, \
     const unsigned* __restrict__ sm, const float* __restrict__ res, float* __restrict__ y, \
@@ -719,12 +723,6 @@ Q4_EXPERTS(gu, true) Q4_EXPERTS(dn, false)
 // (NT x D ≤ 16: the ring's registers without spills)
 #define Q4_ROWS(ROWS) Q4_ENTRY(ROWS, 1, 2) Q4_ENTRY(ROWS, 1, 4) Q4_ENTRY(ROWS, 2, 2) \
     Q4_ENTRY(ROWS, 2, 4) Q4_ENTRY(ROWS, 4, 2) Q4_ENTRY(ROWS, 4, 4)
-Q4_ROWS(8) Q4_ROWS(16) Q4_ENTRY(8, 1, 8) Q4_ENTRY(8, 2, 8)  // (16 rows at depth 8 spill)
-// probes (bench only, wrong values): P 1 the streamed loads alone (no MMAs, no merge), P 2 without the
-// split merge (every split writes y), P 3 two accumulator chains (even / odd blocks)
-extern "C" __global__ void q4_probe1(Q4_ARGS) { q4_split<false, 2, 0, 1>(Q4_PASS); }
-extern "C" __global__ void q4_probe2(Q4_ARGS) { q4_split<false, 2, 0, 2>(Q4_PASS); }
-extern "C" __global__ void q4_probe3(Q4_ARGS) { q4_split<false, 2, 0, 3>(Q4_PASS); }
 // the swapped form (q4_swap): entries q4_swap{MT}_{NG}_w{W}
 #define Q4_SWAP(MT, NG, W) extern "C" __global__ void __launch_bounds__(32 * W, 1) \
     q4_swap##MT##_##NG##_w##W(Q4_ARGS) { q4_swap<MT, NG, W>(Q4_PASS); }
@@ -733,21 +731,37 @@ extern "C" __global__ void q4_probe3(Q4_ARGS) { q4_split<false, 2, 0, 3>(Q4_PASS
 #define Q4_CTA(ROWS, NT, D) extern "C" __global__ void __launch_bounds__(256, 1) \
     q4_cta##ROWS##_##NT##_d##D(Q4_ARGS) { \
     q4_cta<ROWS == 16, NT, D>(x, qs, sm, res, y, M, N, K, stride_x, stride_res, stride_y, S, has_res); }
-Q4_CTA(8, 1, 2) Q4_CTA(8, 1, 4) Q4_CTA(8, 1, 8) Q4_CTA(8, 2, 2) Q4_CTA(8, 2, 4) Q4_CTA(8, 2, 8)
-Q4_CTA(8, 4, 2) Q4_CTA(8, 4, 4) Q4_CTA(16, 1, 2) Q4_CTA(16, 1, 4) Q4_CTA(16, 2, 2)
-Q4_CTA(16, 2, 4) Q4_CTA(16, 4, 2) Q4_CTA(16, 4, 4)
 // 9-16 splits (the router's 16): 512 threads a CTA, the rings that fit 128 registers unspilled
 #define Q4_CTAW(ROWS, NT, D) extern "C" __global__ void __launch_bounds__(512, 1) \
     q4_ctaw##ROWS##_##NT##_d##D(Q4_ARGS) { \
     q4_cta<ROWS == 16, NT, D>(x, qs, sm, res, y, M, N, K, stride_x, stride_res, stride_y, S, has_res); }
+"""
+# Two modules of SOURCE's kernels: CORE, what the engine launches (the CTA forms of the linear
+# and of the one-token experts), loaded with the kernels; EXTRA, the forms the benches and tests
+# compare (the split programs with their ticket merge, streamed splits, probes, the swapped
+# form: two thirds of the PTX), compiled and loaded on their first launch only.
+CORE = r"""
+Q4_EXPERTS(gu, true) Q4_EXPERTS(dn, false)
+Q4_CTA(8, 1, 2) Q4_CTA(8, 1, 4) Q4_CTA(8, 1, 8) Q4_CTA(8, 2, 2) Q4_CTA(8, 2, 4) Q4_CTA(8, 2, 8)
+Q4_CTA(8, 4, 2) Q4_CTA(8, 4, 4) Q4_CTA(16, 1, 2) Q4_CTA(16, 1, 4) Q4_CTA(16, 2, 2)
+Q4_CTA(16, 2, 4) Q4_CTA(16, 4, 2) Q4_CTA(16, 4, 4)
 Q4_CTAW(8, 1, 2) Q4_CTAW(8, 1, 4) Q4_CTAW(8, 1, 8) Q4_CTAW(8, 2, 2) Q4_CTAW(16, 1, 2)
 Q4_CTAW(16, 1, 4) Q4_CTAW(16, 2, 2)
+"""
+EXTRA = r"""
+Q4_ROWS(8) Q4_ROWS(16) Q4_ENTRY(8, 1, 8) Q4_ENTRY(8, 2, 8)  // (16 rows at depth 8 spill)
 // depth 0: the split streamed whole into shared memory (stream_acc)
 Q4_ENTRY(8, 1, 0) Q4_ENTRY(8, 2, 0) Q4_ENTRY(8, 4, 0) Q4_ENTRY(16, 1, 0) Q4_ENTRY(16, 2, 0) Q4_ENTRY(16, 4, 0)
+// probes (bench only, wrong values): P 1 the streamed loads alone (no MMAs, no merge), P 2 without the
+// split merge (every split writes y), P 3 two accumulator chains (even / odd blocks)
+extern "C" __global__ void q4_probe1(Q4_ARGS) { q4_split<false, 2, 0, 1>(Q4_PASS); }
+extern "C" __global__ void q4_probe2(Q4_ARGS) { q4_split<false, 2, 0, 2>(Q4_PASS); }
+extern "C" __global__ void q4_probe3(Q4_ARGS) { q4_split<false, 2, 0, 3>(Q4_PASS); }
 """
 # the swapped form's (MT, NG, W) instances
 SWAP_FORMS = tuple((mt, ng, w) for mt in (1, 2) for ng in (2, 4, 8) for w in (4, 8))
-SOURCE += "".join(f"Q4_SWAP({mt}, {ng}, {w})\n" for mt, ng, w in SWAP_FORMS)
+EXTRA += "".join(f"Q4_SWAP({mt}, {ng}, {w})\n" for mt, ng, w in SWAP_FORMS)
+PARTS = ("core", "extra")
 
 
 def _find(pattern: str) -> str | None:
@@ -768,18 +782,20 @@ def _nvrtc() -> ctypes.CDLL:
     return ctypes.CDLL(lib)
 
 
-def ptx(arch: str = "compute_90", cache: bool = True) -> bytes:
-    """SOURCE compiled by NVRTC for `arch` (no GPU needed; ~10 s on a 2-core CPU), kept in
-    CACHE_DIR under a hash of the source, the arch, the options and the NVRTC library, so
-    later processes load it at once (cache False: compile anyway, keep nothing)."""
-    key = hashlib.sha256("\0".join((SOURCE, arch, " ".join(_OPTIONS), _find("libnvrtc.so*[0-9]")
+def ptx(arch: str = "compute_90", cache: bool = True, part: str = "core") -> bytes:
+    """SOURCE with part's kernels (CORE or EXTRA) compiled by NVRTC for `arch` (no GPU needed;
+    ~4 s for the core, ~8 s for the rest on a 2-core CPU), kept in CACHE_DIR under a hash of
+    the source, the arch, the options and the NVRTC library, so later processes load it at
+    once (cache False: compile anyway, keep nothing)."""
+    source = SOURCE + {"core": CORE, "extra": EXTRA}[part]
+    key = hashlib.sha256("\0".join((source, arch, " ".join(_OPTIONS), _find("libnvrtc.so*[0-9]")
                                      or "", _find("cuda_fp16.h") or "")).encode()).hexdigest()
     cache = cache and CACHE_DIR is not None
     path = os.path.join(CACHE_DIR or "", f"cuda_q4-{key[:24]}.ptx")
     if cache and os.path.exists(path):
         with open(path, "rb") as f:
             return f.read()
-    code = _compile(arch)
+    code = _compile(arch, source)
     if cache:
         try:  # written whole or not at all (another process may be writing the same file)
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -799,13 +815,13 @@ _OPTIONS = ("-default-device", "-std=c++17")
 CACHE_DIR: str | None = os.path.join(os.path.expanduser("~"), ".cache", "fedserve")
 
 
-def _compile(arch: str) -> bytes:
+def _compile(arch: str, source: str) -> bytes:
     header = _find("cuda_fp16.h")
     if header is None:
         raise RuntimeError("cuda_q4: cuda_fp16.h not found (pip install nvidia-cuda-runtime-cu12)")
     lib = _nvrtc()
     prog = ctypes.c_void_p()
-    if lib.nvrtcCreateProgram(ctypes.byref(prog), SOURCE.encode(), b"cuda_q4.cu", 0, None, None):
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"cuda_q4.cu", 0, None, None):
         raise RuntimeError("cuda_q4: nvrtcCreateProgram failed")
     opts = [f"--gpu-architecture={arch}".encode(), *(o.encode() for o in _OPTIONS),
             f"-I{os.path.dirname(header)}".encode()]
@@ -825,13 +841,10 @@ def _compile(arch: str) -> bytes:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-# kernel entries: rows of a launch up to 8 / up to 16 a row tile, x columns a warp (8 NT)
-ENTRIES = tuple(f"q4_split{rows}_{cols // 8}_d{d}".encode()
-                for rows in (8, 16) for cols in (8, 16, 32) for d in (0, 2, 4, 8)
-                if cols * d <= 128 and (d < 8 or rows == 8))
-ENTRIES += tuple(f"q4_swap{mt}_{ng}_w{w}".encode() for mt, ng, w in SWAP_FORMS)
-ENTRIES += tuple(f"q4_e{kind}{cols // 8}_d{d}".encode() for kind in ("gu", "dn")
-                 for cols in (8, 16, 32) for d in (2, 4, 8) if cols * d <= 128)
+# the core module's kernel entries: the experts' and the linear's CTA forms (rows of a launch up
+# to 8 / up to 16 a row tile, x columns a warp = 8 NT)
+ENTRIES = tuple(f"q4_e{kind}{cols // 8}_d{d}".encode() for kind in ("gu", "dn")
+                for cols in (8, 16, 32) for d in (2, 4, 8) if cols * d <= 128)
 # the 512-thread CTA form for 9-16 splits: (rows, columns a warp) → the deepest ring it has
 CTAW_DEPTH = {(8, 8): 8, (8, 16): 2, (16, 8): 4, (16, 16): 2}
 ENTRIES += tuple(f"q4_ctaw{rows}_{cols // 8}_d{d}".encode()
@@ -839,8 +852,13 @@ ENTRIES += tuple(f"q4_ctaw{rows}_{cols // 8}_d{d}".encode()
 ENTRIES += tuple(f"q4_cta{rows}_{cols // 8}_d{d}".encode()
                  for rows in (8, 16) for cols in (8, 16, 32) for d in (2, 4, 8)
                  if cols * d <= 128 and (d < 8 or rows == 8))
-STREAM = 0  # the depth that names the other form: the warp's split streamed into shared memory
+# the extra module's: the split programs (depth 0: streamed), the swapped form and the probes
 PROBES = (b"q4_probe1", b"q4_probe2", b"q4_probe3")  # bench only: 16 columns, <= 8 rows, streamed
+EXTRA_ENTRIES = tuple(f"q4_split{rows}_{cols // 8}_d{d}".encode()
+                      for rows in (8, 16) for cols in (8, 16, 32) for d in (0, 2, 4, 8)
+                      if cols * d <= 128 and (d < 8 or rows == 8))
+EXTRA_ENTRIES += tuple(f"q4_swap{mt}_{ng}_w{w}".encode() for mt, ng, w in SWAP_FORMS) + PROBES
+STREAM = 0  # the depth that names the other form: the warp's split streamed into shared memory
 COLS = 16  # columns a warp by default (the fastest at 1-8 rows of qkv, GPU_NOTES v15)
 DEPTH = 8  # blocks a warp keeps in flight (register ring slots), or STREAM
 # the CTA form (q4_cta: a CTA's warps run a column tile's splits, merged in shared memory)
@@ -860,23 +878,48 @@ _BIG_SMEM: set = set()  # kernels given more than 48 KB of dynamic shared memory
 _TICKETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Q4Linear → {key: tickets}
 
 
-@functools.cache
-def _functions(device: int) -> tuple[ctypes.CDLL, dict]:
-    """(libcuda, {entry: function}) loaded into torch's context on `device`."""
+def _load(cuda: ctypes.CDLL, device: int, part: str, names: tuple) -> dict:
+    """{entry: function} of part's module, loaded into torch's context on `device`."""
     major, minor = torch.cuda.get_device_capability(device)
-    code = ptx(f"compute_{major}{minor}")
-    cuda = ctypes.CDLL("libcuda.so.1")
+    code = ptx(f"compute_{major}{minor}", part=part)
     mod = ctypes.c_void_p()
     with torch.cuda.device(device):  # the device's primary context current on this thread
         torch.zeros(1, device=f"cuda:{device}")
         if cuda.cuModuleLoadData(ctypes.byref(mod), code):
-            raise RuntimeError("cuda_q4: the driver could not load the module")
+            raise RuntimeError(f"cuda_q4: the driver could not load the {part} module")
     fns = {}
-    for name in ENTRIES + PROBES:
+    for name in names:
         fns[name] = ctypes.c_void_p()
         if cuda.cuModuleGetFunction(ctypes.byref(fns[name]), mod, name):
             raise RuntimeError(f"cuda_q4: no kernel {name.decode()}")
-    return cuda, fns
+    return fns
+
+
+class _Functions(dict):
+    """The core module's functions; an EXTRA entry's first lookup loads the extra module."""
+
+    def __init__(self, cuda: ctypes.CDLL, device: int) -> None:
+        super().__init__(_load(cuda, device, "core", ENTRIES))
+        self.cuda, self.device = cuda, device
+
+    def __missing__(self, name: bytes) -> ctypes.c_void_p:
+        if name not in EXTRA_ENTRIES:
+            raise KeyError(name)
+        with _EXTRA_LOCK:
+            if name not in self:
+                self.update(_load(self.cuda, self.device, "extra", EXTRA_ENTRIES))
+        return dict.__getitem__(self, name)
+
+
+_EXTRA_LOCK = threading.Lock()
+
+
+@functools.cache
+def _functions(device: int) -> tuple[ctypes.CDLL, dict]:
+    """(libcuda, {entry: function}) loaded into torch's context on `device` (the core module
+    now, the extra one on its first use)."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    return cuda, _Functions(cuda, device)
 
 
 _UNAVAILABLE: dict = {}  # device → why the kernels could not be built or loaded there

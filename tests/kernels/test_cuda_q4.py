@@ -18,10 +18,13 @@ HAVE_NVRTC = cuda_q4._find("libnvrtc.so*[0-9]") is not None and cuda_q4._find("c
 
 @pytest.mark.skipif(not HAVE_NVRTC, reason="needs NVRTC and the CUDA headers (nvidia-cuda-nvrtc-cu12, "
                     "nvidia-cuda-runtime-cu12)")
-def test_the_cuda_q4_source_compiles_for_hopper_without_spills(tmp_path):
-    code = cuda_q4.ptx("compute_90")
-    for name in cuda_q4.ENTRIES:
-        assert b".entry " + name in code
+@pytest.mark.parametrize("part", cuda_q4.PARTS)
+def test_the_cuda_q4_source_compiles_for_hopper_without_spills(tmp_path, part):
+    """Each module (the core the engine loads, the extra forms the benches compare) holds its
+    entries and no other, and compiles for sm_90 without a spill."""
+    code = cuda_q4.ptx("compute_90", part=part)
+    names = cuda_q4.ENTRIES if part == "core" else cuda_q4.EXTRA_ENTRIES
+    assert set(re.findall(rb"\.entry (\w+)\(", code)) == set(names)
     assert code.count(b"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") >= 32
     triton = pytest.importorskip("triton")
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -33,16 +36,16 @@ def test_the_cuda_q4_source_compiles_for_hopper_without_spills(tmp_path):
         pytest.skip(f"{ptxas} is older than NVRTC: {out.stderr.strip()[:200]}")
     assert out.returncode == 0, out.stderr
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", out.stderr)]
-    assert len(spills) == len(cuda_q4.ENTRIES + cuda_q4.PROBES) and not any(spills)
+    assert len(spills) == len(names) and not any(spills)
 
 
 @pytest.mark.skipif(not HAVE_NVRTC, reason="needs NVRTC and the CUDA headers")
 def test_every_kernel_waits_on_its_predecessor_and_the_ring_loads_weights_before_that():
     """PDL: every entry runs griddepcontrol.wait (before reading what a kernel wrote); the
     CTA forms issue their first ring blocks' weight loads before it, and x's after."""
-    code = cuda_q4.ptx("compute_90").decode()
+    code = "".join(cuda_q4.ptx("compute_90", part=part).decode() for part in cuda_q4.PARTS)
     bodies = {b.split("(")[0]: b for b in code.split(".visible .entry ")[1:]}
-    assert set(bodies) == {e.decode() for e in cuda_q4.ENTRIES + cuda_q4.PROBES}
+    assert set(bodies) == {e.decode() for e in cuda_q4.ENTRIES + cuda_q4.EXTRA_ENTRIES}
     for name, body in bodies.items():
         assert "griddepcontrol.wait;" in body and "griddepcontrol.launch_dependents;" in body, name
         if name.startswith("q4_cta"):
@@ -322,7 +325,9 @@ def test_the_ptx_is_compiled_once_and_kept_on_disk(monkeypatch, tmp_path):
     file; cache=False compiles and keeps nothing."""
     monkeypatch.setattr(cuda_q4, "CACHE_DIR", str(tmp_path))
     calls = []
-    monkeypatch.setattr(cuda_q4, "_compile", lambda arch: calls.append(arch) or f"ptx {arch}".encode())
+    sources = []
+    monkeypatch.setattr(cuda_q4, "_compile", lambda arch, source: calls.append(arch)
+                        or sources.append(source) or f"ptx {arch}".encode())
     assert cuda_q4.ptx("compute_90") == b"ptx compute_90"
     assert cuda_q4.ptx("compute_90") == b"ptx compute_90" and calls == ["compute_90"]
     assert cuda_q4.ptx("compute_100") == b"ptx compute_100" and len(calls) == 2
@@ -331,4 +336,21 @@ def test_the_ptx_is_compiled_once_and_kept_on_disk(monkeypatch, tmp_path):
     monkeypatch.setattr(cuda_q4, "SOURCE", cuda_q4.SOURCE + "// changed\n")
     cuda_q4.ptx("compute_90")
     assert len(calls) == 4  # another source: another file
+    cuda_q4.ptx("compute_90", part="extra")
+    assert len(calls) == 5 and sources[-1].endswith(cuda_q4.EXTRA) and sources[0].endswith(cuda_q4.CORE)
+
+
+def test_the_extra_module_is_loaded_on_the_first_launch_of_one_of_its_kernels(monkeypatch):
+    """_functions loads the core module (what the engine launches); the first lookup of an
+    EXTRA entry loads the extra module once; an unknown name is a KeyError and loads nothing."""
+    loads = []
+    monkeypatch.setattr(cuda_q4, "_load", lambda cuda, device, part, names: loads.append((part, device))
+                        or {n: part for n in names})
+    fns = cuda_q4._Functions(None, 3)
+    assert loads == [("core", 3)] and all(fns[n] == "core" for n in cuda_q4.ENTRIES)
+    assert fns[b"q4_probe1"] == "extra" and fns[cuda_q4.EXTRA_ENTRIES[0]] == "extra"
+    assert fns[b"q4_swap1_2_w4"] == "extra" and loads == [("core", 3), ("extra", 3)]
+    with pytest.raises(KeyError):
+        fns[b"q4_nothing"]
+    assert len(loads) == 2 and not set(cuda_q4.ENTRIES) & set(cuda_q4.EXTRA_ENTRIES)
 
