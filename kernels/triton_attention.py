@@ -246,8 +246,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         GROUP_PAD=max(16, triton.next_power_of_2(group)), SPLIT=split, BLOCK_N=block_n,
         PREC=PRECISION, MMA=q.device.type == "cuda", HS=hs,
         LINES=max(1, d * k_cache.element_size() // 128) if PREFETCH_KV and t <= PREFETCH_KV else 0,
-        num_warps=WARPS,
-        num_stages=STAGES, **triton_pdl.launch(q))
+        num_warps=WARPS, num_stages=STAGES, **triton_pdl.launch(q))
     if max_splits > 1:
         _attn_merge_kernel[(t, h)](ctx_lens, out, pacc, pml, max_splits, H=h, D=d, SPLIT=split,
                                    **triton_pdl.launch(q))

@@ -147,19 +147,20 @@ def test_paged_attention_at_real_shapes_and_bitwise_alone(dtype):
                 torch.zeros(1, dtype=torch.int32, device=DEV), ctx[i:i + 1].contiguous(),
                 d ** -0.5, nan(1, h, d), head_split=hs)
             assert torch.equal(split[0], out[i]), (i, hs)
+    # the split's K / V prefetched into L2 before the wait (by default in one-token launches,
+    # as the loop above ran them): no arithmetic, so the bits — at every token count, and
+    # without it in a one-token launch
     prefetch = triton_attention.PREFETCH_KV
-    try:  # the split's K / V prefetched into L2 before the wait: no arithmetic, so the bits
+    try:
         triton_attention.PREFETCH_KV = 1 << 30
         again = triton_attention.paged_attention(q, kc, vc, tables, rows, ctx, d ** -0.5, nan(t, h, d))
+        triton_attention.PREFETCH_KV = None
+        alone = triton_attention.paged_attention(q[5:6].contiguous(), kc, vc, tables[5:6].contiguous(),
+                                                 torch.zeros(1, dtype=torch.int32, device=DEV),
+                                                 ctx[5:6].contiguous(), d ** -0.5, nan(1, h, d))
     finally:
         triton_attention.PREFETCH_KV = prefetch
-    assert torch.equal(again, out)
-    triton_attention.PREFETCH_KV = None
-    try:  # and without it
-        again = triton_attention.paged_attention(q, kc, vc, tables, rows, ctx, d ** -0.5, nan(t, h, d))
-    finally:
-        triton_attention.PREFETCH_KV = prefetch
-    assert torch.equal(again, out)
+    assert torch.equal(again, out) and torch.equal(alone[0], out[5])
 
 
 @functools.lru_cache(maxsize=1)
