@@ -42,7 +42,8 @@ def test_the_cuda_q4_source_compiles_for_hopper_without_spills(tmp_path, part):
 @pytest.mark.skipif(not HAVE_NVRTC, reason="needs NVRTC and the CUDA headers")
 def test_every_kernel_waits_on_its_predecessor_and_the_ring_loads_weights_before_that():
     """PDL: every entry runs griddepcontrol.wait (before reading what a kernel wrote); the
-    CTA forms issue their first ring blocks' weight loads before it, and x's after."""
+    CTA forms issue their first ring blocks' weight loads (streamed: the split's cp.async)
+    before it, and x's after."""
     code = "".join(cuda_q4.ptx("compute_90", part=part).decode() for part in cuda_q4.PARTS)
     bodies = {b.split("(")[0]: b for b in code.split(".visible .entry ")[1:]}
     assert set(bodies) == {e.decode() for e in cuda_q4.ENTRIES + cuda_q4.EXTRA_ENTRIES}
@@ -50,7 +51,8 @@ def test_every_kernel_waits_on_its_predecessor_and_the_ring_loads_weights_before
         assert "griddepcontrol.wait;" in body and "griddepcontrol.launch_dependents;" in body, name
         if name.startswith("q4_cta"):
             wait = body.index("griddepcontrol.wait;")
-            assert body.index("ld.global.nc") < wait, name  # the weights: before
+            weights = "cp.async.cg.shared.global" if name.endswith("_d0") else "ld.global.nc"
+            assert body.index(weights) < wait, name  # the weights: before (streamed: cp.async)
             assert re.search(r"ld\.global\.nc\.v2\.f32", body[wait:]), name  # x: after
 
 
@@ -161,7 +163,8 @@ def test_the_cuda_q4_kernel_gives_the_decode_tile_bits(n, k):
 def test_the_cta_form_gives_the_decode_tile_bits(n, k, programs):
     """q4_cta (a CTA a column tile's splits, merged in shared memory): the split programs'
     bits at 1-40 rows (one and several row tiles), with and without the residual, for split
-    counts of 1-16 (the weights re-split for `programs`; above 8 the 512-thread entries)."""
+    counts of 1-16 (the weights re-split for `programs`; above 8 the 512-thread entries), and
+    streamed (≤ 8 rows, splits of a multiple of 16 blocks)."""
     from bench.kernel_bench import rand_q4
     from kernels import q4_layout, triton_q4
 
@@ -174,7 +177,10 @@ def test_the_cta_form_gives_the_decode_tile_bits(n, k, programs):
         res = torch.randn(m, n, generator=g, device="cuda")
         want = triton_q4.linear(lin, x, nan(m), res, tile=q4_layout.LINEAR_TILE, seq=False)
         bare = triton_q4.linear(lin, x, nan(m), tile=q4_layout.LINEAR_TILE, seq=False)
-        for cols, depth in ((8, 8), (16, 8), (16, 4), (32, 4), (8, 2)):
+        blocks = -(-k // 64 // lin.split) * 2
+        streams = m <= 8 and blocks % 16 == 0 and lin.split <= cuda_q4.CTA_SPLITS_256
+        for cols, depth in ((8, 8), (16, 8), (16, 4), (32, 4), (8, 2)) + (
+                ((16, cuda_q4.STREAM), (32, cuda_q4.STREAM)) if streams else ()):
             if n % cols or not cuda_q4.cta_takes(lin, cols):
                 continue
             got = cuda_q4.linear(lin, x, nan(m), res, cols=cols, depth=depth, cta=True)
@@ -287,7 +293,7 @@ def test_the_direct_experts_in_the_cta_form_give_the_split_programs_bits(monkeyp
                                                                           experts):
     """cuda_q4.experts_direct (triton_moe.CUDA_MAX_TOKENS): inter (SiLU·up in fp16, through
     Triton's own PTX for it) and y equal to the direct split programs' at 1-8 tokens, at
-    several columns a warp and ring depths, split counts 4-8."""
+    several columns a warp and ring depths and streamed (q4_expert_stream), split counts 4-8."""
     from bench.kernel_bench import rand_q4
     from kernels import moe_layout, triton_moe
 
@@ -304,7 +310,8 @@ def test_the_direct_experts_in_the_cta_form_give_the_split_programs_bits(monkeyp
         triton_moe.experts_forward(x, ids, st, want_i, want_y)
         assert not want_y.isnan().any()
         monkeypatch.setattr(triton_moe, "CUDA_MAX_TOKENS", 8)
-        for cols, depth in ((16, 4), (8, 8), (32, 4), (16, 2)):
+        for cols, depth in ((16, 4), (8, 8), (32, 4), (16, 2), (16, cuda_q4.STREAM),
+                            (8, cuda_q4.STREAM), (32, cuda_q4.STREAM)):
             monkeypatch.setattr(cuda_q4, "EXPERT_COLS", cols)
             monkeypatch.setattr(cuda_q4, "EXPERT_DEPTH", depth)
             monkeypatch.setattr(cuda_q4, "PDL", depth == 4)  # the launch: no bit
