@@ -94,6 +94,9 @@ def apply(mode: str) -> None:
     if re.search(r'hsplit[0-9]+', mode):  # a kv head's query heads dealt over programs (same bits)
         from kernels import triton_attention
         triton_attention.HEAD_SPLIT_PROGRAMS = int(re.search(r'hsplit([0-9]+)', mode).group(1))
+    if 'ecombine' in mode:  # the streamed experts' down CTAs run the MoE's combine
+        from kernels import cuda_q4
+        cuda_q4.EXPERT_COMBINE = True
     if 'ctastream' in mode:  # the CTA linear streaming each split into shared memory
         from kernels import cuda_q4
         cuda_q4.CTA_STREAM = True

@@ -723,6 +723,34 @@ __device__ __forceinline__ void q4_expert_cta(const void* __restrict__ xv, const
   expert_merge<NT, GATE_UP>(acc, part, outv, a, n0, stride_out, S);
 }
 
+// down's end with the MoE's combine fused (EXPERT_COMBINE; combine 1, or 2 with the residual
+// added): the last of token t's topk CTAs
+// of this column tile to arrive (a ticket a (token, tile), reset by that CTA) sums the tile's
+// columns of its y rows in rank order — h[t] = res[t] + sum_r w[t, r] y[t k + r], as the
+// combine kernel's PTX does it: a MUL, FMAs in rank order, then the ADD of the residual.
+template <int NT>
+__device__ __forceinline__ void expert_combine(const float* y, const float* __restrict__ wts,
+                                               const float* __restrict__ res, float* __restrict__ hout,
+                                               int* __restrict__ tickets, int a, int stride_y, int topk,
+                                               int stride_res, int stride_h, bool has_res, int* flag) {
+  constexpr int C = 8 * NT;
+  const int t = a / topk, n0 = blockIdx.x * C;
+  __threadfence();  // this CTA's y before its ticket
+  __syncthreads();
+  if (threadIdx.x == 0) *flag = atomicAdd(tickets + t * gridDim.x + blockIdx.x, 1) == topk - 1;
+  __syncthreads();
+  if (!*flag) return;
+  __threadfence();
+  for (int j = threadIdx.x; j < C; j += blockDim.x) {
+    const long n = n0 + j;
+    float acc = __fmul_rn(__ldcg(y + (long)t * topk * stride_y + n), wts[t * topk]);
+    for (int r = 1; r < topk; ++r)
+      acc = __fmaf_rn(__ldcg(y + (long)(t * topk + r) * stride_y + n), wts[t * topk + r], acc);
+    hout[(long)t * stride_h + n] = has_res ? __fadd_rn(acc, res[(long)t * stride_res + n]) : acc;
+  }
+  if (threadIdx.x == 0) atomicExch(tickets + t * gridDim.x + blockIdx.x, 0);
+}
+
 template <bool B, class T, class F> struct pick { using type = T; };  // (no <type_traits> in NVRTC)
 template <class T, class F> struct pick<false, T, F> { using type = F; };
 
@@ -765,8 +793,10 @@ template <int NT, bool GATE_UP>
 __device__ __forceinline__ void q4_expert_stream(const void* __restrict__ xv, const int* __restrict__ ids,
                                                  const unsigned char* __restrict__ qs,
                                                  const unsigned* __restrict__ sm, void* __restrict__ outv,
+                                                 const float* __restrict__ wts, const float* __restrict__ res,
+                                                 float* __restrict__ hout, int* __restrict__ tickets,
                                                  int N, int K, int stride_x, int stride_out, int S,
-                                                 int topk) {
+                                                 int topk, int stride_res, int stride_h, int combine) {
   using XT = typename pick<GATE_UP, float, __half>::type;
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int C = 8 * NT, QB = C * 16, SB = C * 4, CH = (QB + SB) / 16;
@@ -820,6 +850,11 @@ __device__ __forceinline__ void q4_expert_stream(const void* __restrict__ xv, co
     block_mma<false, NT>(acc, p, sel, w0, w1, s);
   }
   expert_merge<NT, GATE_UP>(acc, part, outv, a, n0, stride_out, S);
+  if constexpr (!GATE_UP) {
+    if (combine) expert_combine<NT>(reinterpret_cast<const float*>(outv), wts, res, hout, tickets, a,
+                                    stride_out, topk, stride_res, stride_h, combine == 2,
+                                    reinterpret_cast<int*>(part));
+  }
 }
 
 #define Q4_EXPERT(KIND, GU, NT, D) extern "C" __global__ void __launch_bounds__(256, 1) \
@@ -833,9 +868,11 @@ __device__ __forceinline__ void q4_expert_stream(const void* __restrict__ xv, co
 // the streamed form: entries q4_es{KIND}{NT}, up to 8 splits, at most 64 registers a thread
 #define Q4_EXPERT_STREAM(KIND, GU, NT) extern "C" __global__ void __launch_bounds__(256, 4) \
     q4_es##KIND##NT(const void* x, const int* ids, const unsigned char* qs, \
-                    const unsigned* sm, void* out, int N, int K, int stride_x, \
-                    int stride_out, int S, int topk) { \
-    q4_expert_stream<NT, GU>(x, ids, qs, sm, out, N, K, stride_x, stride_out, S, topk); }
+                    const unsigned* sm, void* out, const float* wts, const float* res, \
+                    float* hout, int* tickets, int N, int K, int stride_x, int stride_out, \
+                    int S, int topk, int stride_res, int stride_h, int combine) { \
+    q4_expert_stream<NT, GU>(x, ids, qs, sm, out, wts, res, hout, tickets, N, K, stride_x, \
+                             stride_out, S, topk, stride_res, stride_h, combine); }
 #define Q4_EXPERTS_STREAM(KIND, GU) Q4_EXPERT_STREAM(KIND, GU, 1) Q4_EXPERT_STREAM(KIND, GU, 2) \
     Q4_EXPERT_STREAM(KIND, GU, 4)
 
@@ -1009,6 +1046,9 @@ SWAP_WARPS = 4  # ... and warps a CTA
 EXPERT_COLS = 16  # the direct experts' CTA form: columns a warp
 EXPERT_DEPTH = 4  # ... and blocks in flight (register ring slots; fewer where a split needs),
 # or STREAM: each warp's split streamed whole into shared memory (q4_expert_stream)
+# the streamed form's down CTAs also run the MoE's combine (the last of a token's k CTAs of a
+# column tile, by a ticket): one kernel less a layer; unmeasured (bench/ab_modes.py `ecombine`)
+EXPERT_COMBINE = False
 _BIG_SMEM: set = set()  # kernels given more than 48 KB of dynamic shared memory
 _TICKETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Q4Linear → {key: tickets}
 
@@ -1223,11 +1263,16 @@ def experts_fit(experts, x: torch.Tensor) -> bool:
 
 
 def experts_direct(x: torch.Tensor, ids: torch.Tensor, experts, inter: torch.Tensor,
-                   y: torch.Tensor, cols: int | None = None, depth: int | None = None) -> None:
+                   y: torch.Tensor, cols: int | None = None, depth: int | None = None,
+                   combine: tuple | None = None) -> bool:
     """triton_moe's direct q4 experts (a slot per assignment) in the CTA form (q4_expert_cta):
     inter [T*k, I] fp16 = silu(x W_gate.T) * (x W_up.T), then y [T*k, hidden] = inter W_down.T,
     each (assignment, column tile) a CTA of the weight's K splits, merged in split order —
-    the direct split programs' bits. x [T, hidden] fp32; ids [T, k] int32 contiguous."""
+    the direct split programs' bits. x [T, hidden] fp32; ids [T, k] int32 contiguous.
+    combine (wts [T, k] fp32, out [T, hidden], residual [T, hidden] or None): where the
+    streamed form runs and EXPERT_COMBINE, down's CTAs also write out = (residual +) the rank-
+    order sum of wts x y, as triton_moe_route.combine does (its bits); returns whether they
+    did (else the caller combines)."""
     cols, depth = cols or EXPERT_COLS, EXPERT_DEPTH if depth is None else depth
     if cols not in (8, 16, 32) or depth not in (STREAM, 2, 4, 8) or cols * depth > 128:
         raise ValueError("cuda_q4: expert cols 8, 16 or 32 and depth 2, 4 or 8 (cols x depth ≤ "
@@ -1237,23 +1282,52 @@ def experts_direct(x: torch.Tensor, ids: torch.Tensor, experts, inter: torch.Ten
         raise ValueError("cuda_q4: ids int32, inter fp16 and y fp32, all contiguous")
     t, top_k = ids.shape
     if t * top_k == 0:
-        return
+        return False
     i, h = experts.inter, experts.hidden
     cuda, fns = _functions(x.device.index or 0)
     (gw, gs), (dw, ds) = experts.gu, experts.down
+    fused = combine is not None and depth == STREAM and EXPERT_COMBINE
+    if fused:
+        wts, out, res = combine
+        res = out if res is None else res
+        if wts.shape != (t, top_k) or out.shape != (t, h) or res.shape != (t, h) or \
+                any(v.dtype != torch.float32 or v.stride(-1) != 1 for v in (wts, out, res)) \
+                or not wts.is_contiguous():
+            raise ValueError("cuda_q4: combine takes wts [T, k] contiguous, out and residual "
+                             "[T, hidden] fp32 with contiguous rows")
+        tickets = _combine_tickets(h // cols * t, x.device)
+        extra = ((wts, res, out, tickets), (res.stride(0), out.stride(0), 1 + (combine[2] is not None)))
     for kind, src, w, s, dst, n, k, split in (("gu", x, gw, gs, inter, 2 * i, h, experts.gu_split),
                                                ("dn", inter, dw, ds, y, h, i, experts.down_split)):
         blocks = -(-k // 64 // split) * 2
+        ptrs, ints = (src, ids, w, s.view(torch.int32), dst), (n, k, src.stride(0), dst.stride(0), split, top_k)
         if depth == STREAM:
             name, smem = f"q4_es{kind}{cols // 8}", expert_stream_smem(k, split, cols, src.element_size())
+            if kind == "dn" and fused:
+                ptrs, ints = ptrs + extra[0], ints + extra[1]
+            else:  # (no combine: its pointers unread)
+                ptrs, ints = ptrs + (y, y, y, ids), ints + (0, 0, 0)
         else:
             d = depth
             while blocks % d:
                 d //= 2
             name, smem = f"q4_e{kind}{cols // 8}_d{d}", split * cols * 4
-        _launch(cuda, fns[name.encode()], (n // cols, t * top_k, 1), 32 * split, smem,
-                (src, ids, w, s.view(torch.int32), dst),
-                (n, k, src.stride(0), dst.stride(0), split, top_k))
+        _launch(cuda, fns[name.encode()], (n // cols, t * top_k, 1), 32 * split, smem, ptrs, ints)
+    return fused
+
+
+# device → the fused combine's ticket counters (zero between launches), newest last: a CUDA
+# graph keeps the address it captured, so an outgrown one is kept, never freed
+_COMBINE_TICKETS: dict = {}
+
+
+def _combine_tickets(count: int, device: torch.device) -> torch.Tensor:
+    """At least `count` zeroed ticket counters for the fused combine on `device`, shared by the
+    launches there (in stream order; each resets the tickets it takes)."""
+    have = _COMBINE_TICKETS.setdefault(device, [])
+    if not have or have[-1].numel() < count:
+        have.append(torch.zeros(max(count, 4096), dtype=torch.int32, device=device))
+    return have[-1]
 
 
 def expert_stream_smem(k: int, split: int, cols: int, x_bytes: int) -> int:

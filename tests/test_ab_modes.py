@@ -68,11 +68,13 @@ def test_the_expert_cuda_modes_set_their_knobs_and_leave_the_linear_alone(mode, 
                         "triton_linear.CUDA_MAX_ROWS") == want.split()
 
 
-@pytest.mark.parametrize("mode,want", [("pdl", "4 False 64 8 3"),
-                                       ("pdl_edepth0_ctastream_attnbn128_attn8_2", "0 True 128 8 2")])
+@pytest.mark.parametrize("mode,want", [("pdl", "4 False False 64 8 3"),
+                                       ("pdl_edepth0_ecombine_ctastream_attnbn128_attn8_2",
+                                        "0 True True 128 8 2")])
 def test_the_streamed_cuda_forms_and_the_key_tile_modes_set_their_knobs(mode, want):
-    assert _knobs(mode, "cuda_q4.EXPERT_DEPTH, cuda_q4.CTA_STREAM, triton_attention.BLOCK_N_BF16, "
-                        "triton_attention.WARPS, triton_attention.STAGES") == want.split()
+    assert _knobs(mode, "cuda_q4.EXPERT_DEPTH, cuda_q4.EXPERT_COMBINE, cuda_q4.CTA_STREAM, "
+                        "triton_attention.BLOCK_N_BF16, triton_attention.WARPS, "
+                        "triton_attention.STAGES") == want.split()
 
 
 @pytest.mark.parametrize("mode,want", [("pdl", "1"), ("pdl_cudarouter", "1"),

@@ -327,6 +327,38 @@ def test_the_direct_experts_in_the_cta_form_give_the_split_programs_bits(monkeyp
             assert torch.equal(got_y, want_y), (t, cols, depth, float((got_y - want_y).abs().max()))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_combine_fused_into_the_streamed_down_gives_the_combine_kernels_bits(monkeypatch):
+    """cuda_q4.EXPERT_COMBINE: the streamed down's CTAs write (residual +) the rank-order sum
+    of wts x y bit for bit as triton_moe_route.combine does, at 1-8 tokens, with and without the
+    residual, launch after launch (the tickets reset themselves), and y as before."""
+    from bench.kernel_bench import rand_q4
+    from kernels import moe_layout, triton_moe_route
+
+    g = torch.Generator("cuda").manual_seed(7)
+    hidden, inter, experts = 2048, 768, 128
+    st = moe_layout.StackedExperts.stack(
+        tuple((rand_q4(2 * inter, hidden, g), rand_q4(hidden, inter, g)) for _ in range(experts)))
+    monkeypatch.setattr(cuda_q4, "EXPERT_COMBINE", True)
+    for t in (1, 3, 8, 1):
+        x = torch.randn(t, hidden, generator=g, device="cuda")
+        ids = torch.rand(t, experts, generator=g, device="cuda").topk(8, dim=-1).indices.int().contiguous()
+        wts = torch.rand(t, 8, generator=g, device="cuda")
+        res = torch.randn(t, hidden, generator=g, device="cuda")
+        inter_a = torch.empty(t * 8, inter, device="cuda", dtype=torch.float16)
+        y_a = torch.empty(t * 8, hidden, device="cuda")
+        assert not cuda_q4.experts_direct(x, ids, st, inter_a, y_a, depth=cuda_q4.STREAM)
+        for residual in (res, None):
+            want = triton_moe_route.combine(y_a, wts, torch.empty(t, hidden, device="cuda"), residual)
+            y_b = torch.full_like(y_a, float("nan"))
+            got = torch.full((t, hidden), float("nan"), device="cuda")
+            assert cuda_q4.experts_direct(x, ids, st, torch.empty_like(inter_a), y_b,
+                                          depth=cuda_q4.STREAM, combine=(wts, got, residual))
+            assert torch.equal(y_b, y_a), t
+            assert torch.equal(got, want), (t, residual is None, float((got - want).abs().max()))
+    assert not any(v.any() for v in cuda_q4._COMBINE_TICKETS[x.device])
+
+
 def test_the_ptx_is_compiled_once_and_kept_on_disk(monkeypatch, tmp_path):
     """ptx(): NVRTC runs once a (source, arch, toolchain); later calls and processes read the
     file; cache=False compiles and keeps nothing."""
