@@ -94,13 +94,7 @@ def apply(mode: str) -> None:
     if re.search(r'hsplit[0-9]+', mode):  # a kv head's query heads dealt over programs (same bits)
         from kernels import triton_attention
         triton_attention.HEAD_SPLIT_PROGRAMS = int(re.search(r'hsplit([0-9]+)', mode).group(1))
-    if 'ecombine' in mode:  # the streamed experts' down CTAs run the MoE's combine
-        from kernels import cuda_q4
-        cuda_q4.EXPERT_COMBINE = True
-    if 'ctastream' in mode:  # the CTA linear streaming each split into shared memory
-        from kernels import cuda_q4
-        cuda_q4.CTA_STREAM = True
-    if re.search(r'attnbn[0-9]+', mode):  # keys a tile of the bf16 paged attention (64; other bits)
+    if re.search(r'attnbn[0-9]+', mode):  # keys a tile of the bf16 paged attention (128; other bits)
         from kernels import triton_attention
         triton_attention.BLOCK_N_BF16 = int(re.search(r'attnbn([0-9]+)', mode).group(1))
     if re.search(r'attn[0-9]+_[0-9]+', mode):  # paged attention split-kernel launch: warps_stages

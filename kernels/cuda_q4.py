@@ -272,12 +272,12 @@ template <bool ROWS16, int NT, int P = 0>
 __device__ __forceinline__ void stream_acc(float acc[NT][4], const unsigned char* __restrict__ qs,
                                            const unsigned* __restrict__ sm, const float* x0,
                                            const float* x1, bool v0, bool v1, int N, int k_lo,
-                                           int k_hi, int n0, int g, int c, int word, unsigned sel,
-                                           unsigned char* base) {
+                                           int k_hi, int n0, int g, int c, int word, unsigned sel) {
+  extern __shared__ __align__(16) unsigned char smem[];
   constexpr int QB = NT * 8 * 16, SB = NT * 8 * 4, CH = (QB + SB) / 16;  // bytes, 16 B chunks a block
   const int lane = threadIdx.x & 31;
   const int nb = (k_hi - k_lo) >> 5, per_group = nb >> 2;
-  unsigned char* sq = base + (threadIdx.x >> 5) * nb * (QB + SB);  // this warp's part
+  unsigned char* sq = smem + (threadIdx.x >> 5) * nb * (QB + SB);  // this warp's part
   unsigned char* ss = sq + nb * QB;
   const unsigned char* gq = qs + ((long)(k_lo >> 5) * N + n0) * 16;
   const unsigned char* gs = reinterpret_cast<const unsigned char*>(sm + (long)(k_lo >> 5) * N + n0);
@@ -292,7 +292,6 @@ __device__ __forceinline__ void stream_acc(float acc[NT][4], const unsigned char
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
   }
-  pdl_wait();  // (the weights before it: no kernel writes them; x after)
   float2 xp[4][ROWS16 ? 8 : 4];
   float acc2[NT][4] = {};
   const float* xa = x0 + k_lo;
@@ -361,10 +360,8 @@ __device__ __forceinline__ void q4_split(const float* __restrict__ x, const unsi
   float acc[NT][4];
 #pragma unroll
   for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-  if constexpr (D == 0) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    stream_acc<ROWS16, NT, P>(acc, qs, sm, x0, x1, v0, v1, N, k_lo, k_hi, n0, g, c, word, sel, smem);
-  }
+  if constexpr (D == 0)
+    stream_acc<ROWS16, NT, P>(acc, qs, sm, x0, x1, v0, v1, N, k_lo, k_hi, n0, g, c, word, sel);
   else
     ring_acc<ROWS16, NT, D>(acc, qs, sm, x0, x1, v0, v1, N, k_lo, k_hi, n0, g, c, word, sel);
   // acc[i]: rows r0 (0, 1) and r1 (2, 3), columns n0 + 8i + 2c, + 1
@@ -592,11 +589,10 @@ __device__ __forceinline__ void q4_swap(const float* __restrict__ x, const unsig
 }
 
 // ---- the CTA form: a CTA one (row tile, column tile), warp w its split w (S warps), each
-// warp's split run as q4_split runs it (the register ring, or D = 0: streamed into shared
-// memory whole, stream_acc), then the S partials summed in split order 0..S-1 through shared
-// memory (no ticket, no partials in global memory) and the residual added: q4_split's
-// arithmetic in q4_split's order, so its bits. grid (N / (8 NT), 1, cdiv(M, 16)); block 32 S;
-// dynamic shared memory S x 16 x 8 NT floats (+ S x blocks x 20 x 8 NT bytes streamed).
+// warp's split run as q4_split runs it (the register ring), then the S partials summed in split
+// order 0..S-1 through shared memory (no ticket, no partials in global memory) and the residual
+// added: q4_split's arithmetic in q4_split's order, so its bits. grid (N / (8 NT), 1,
+// cdiv(M, 16)); block 32 S; dynamic shared memory S x 16 x 8 NT floats.
 template <bool ROWS16, int NT, int D>
 __device__ __forceinline__ void q4_cta(const float* __restrict__ x, const unsigned char* __restrict__ qs,
                                        const unsigned* __restrict__ sm, const float* __restrict__ res,
@@ -618,11 +614,7 @@ __device__ __forceinline__ void q4_cta(const float* __restrict__ x, const unsign
   float acc[NT][4];
 #pragma unroll
   for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-  if constexpr (D == 0)  // streamed: each warp's split into shared memory after the partials
-    stream_acc<ROWS16, NT>(acc, qs, sm, x0, x1, v0, v1, N, k_lo, k_hi, n0, g, c, word, sel,
-                           smem + S * 16 * C * 4);
-  else
-    ring_acc<ROWS16, NT, D>(acc, qs, sm, x0, x1, v0, v1, N, k_lo, k_hi, n0, g, c, word, sel);
+  ring_acc<ROWS16, NT, D>(acc, qs, sm, x0, x1, v0, v1, N, k_lo, k_hi, n0, g, c, word, sel);
   float* mine = part + sp * 16 * C;
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
@@ -657,38 +649,6 @@ __device__ __forceinline__ float silu_mul(float g, float u) {
   return r;
 }
 
-// The end of an expert CTA (either form): row 0 of each warp's partial into part [S][8 NT]
-// (shared memory), then the splits summed in split order 0..S-1 and stored — gate_up as
-// SiLU·up in fp16 (inter[a, n0 / 2 + j]), down as fp32 (y[a, n0 + j]).
-template <int NT, bool GATE_UP>
-__device__ __forceinline__ void expert_merge(const float acc[NT][4], float* part, void* __restrict__ outv,
-                                             int a, int n0, int stride_out, int S) {
-  constexpr int C = 8 * NT;
-  const int lane = threadIdx.x & 31, c = lane & 3, g = lane >> 2, sp = threadIdx.x >> 5;
-  if (g == 0) {
-#pragma unroll
-    for (int i = 0; i < NT; ++i)
-      *reinterpret_cast<float2*>(part + sp * C + 8 * i + 2 * c) = make_float2(acc[i][0], acc[i][1]);
-  }
-  __syncthreads();
-  if constexpr (GATE_UP) {
-    for (int j = threadIdx.x; j < C / 2; j += blockDim.x) {
-      float gt = part[2 * j], up = part[2 * j + 1];
-      for (int q = 1; q < S; ++q) {  // split order 0..S-1
-        gt = gt + part[q * C + 2 * j];
-        up = up + part[q * C + 2 * j + 1];
-      }
-      reinterpret_cast<__half*>(outv)[(long)a * stride_out + n0 / 2 + j] = __float2half_rn(silu_mul(gt, up));
-    }
-  } else {
-    for (int j = threadIdx.x; j < C; j += blockDim.x) {
-      float v = part[j];
-      for (int q = 1; q < S; ++q) v = v + part[q * C + j];
-      reinterpret_cast<float*>(outv)[(long)a * stride_out + n0 + j] = v;
-    }
-  }
-}
-
 template <int NT, int D, bool GATE_UP>
 __device__ __forceinline__ void q4_expert_cta(const void* __restrict__ xv, const int* __restrict__ ids,
                                               const unsigned char* __restrict__ qs,
@@ -720,140 +680,27 @@ __device__ __forceinline__ void q4_expert_cta(const void* __restrict__ xv, const
     const __half* x0 = reinterpret_cast<const __half*>(xv) + (long)a * stride_x;
     ring_acc<false, NT, D>(acc, qe, se, x0, x0, v0, false, N, k_lo, k_hi, n0, g, c, word, sel);
   }
-  expert_merge<NT, GATE_UP>(acc, part, outv, a, n0, stride_out, S);
-}
-
-// down's end with the MoE's combine fused (EXPERT_COMBINE; combine 1, or 2 with the residual
-// added): the last of token t's topk CTAs
-// of this column tile to arrive (a ticket a (token, tile), reset by that CTA) sums the tile's
-// columns of its y rows in rank order — h[t] = res[t] + sum_r w[t, r] y[t k + r], as the
-// combine kernel's PTX does it: a MUL, FMAs in rank order, then the ADD of the residual.
-template <int NT>
-__device__ __forceinline__ void expert_combine(const float* y, const float* __restrict__ wts,
-                                               const float* __restrict__ res, float* __restrict__ hout,
-                                               int* __restrict__ tickets, int a, int stride_y, int topk,
-                                               int stride_res, int stride_h, bool has_res, int* flag) {
-  constexpr int C = 8 * NT;
-  const int t = a / topk, n0 = blockIdx.x * C;
-  __threadfence();  // this CTA's y before its ticket
+  if (g == 0) {
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+      *reinterpret_cast<float2*>(part + sp * C + 8 * i + 2 * c) = make_float2(acc[i][0], acc[i][1]);
+  }
   __syncthreads();
-  if (threadIdx.x == 0) *flag = atomicAdd(tickets + t * gridDim.x + blockIdx.x, 1) == topk - 1;
-  __syncthreads();
-  if (!*flag) return;
-  __threadfence();
-  for (int j = threadIdx.x; j < C; j += blockDim.x) {
-    const long n = n0 + j;
-    float acc = __fmul_rn(__ldcg(y + (long)t * topk * stride_y + n), wts[t * topk]);
-    for (int r = 1; r < topk; ++r)
-      acc = __fmaf_rn(__ldcg(y + (long)(t * topk + r) * stride_y + n), wts[t * topk + r], acc);
-    hout[(long)t * stride_h + n] = has_res ? __fadd_rn(acc, res[(long)t * stride_res + n]) : acc;
-  }
-  if (threadIdx.x == 0) atomicExch(tickets + t * gridDim.x + blockIdx.x, 0);
-}
-
-template <bool B, class T, class F> struct pick { using type = T; };  // (no <type_traits> in NVRTC)
-template <class T, class F> struct pick<false, T, F> { using type = F; };
-
-// cp.async.wait_group with a run-time count of the newest groups that may stay pending: the
-// instruction takes an immediate; above 15 it waits for more than asked (still correct)
-__device__ __forceinline__ void cp_async_wait(int pending) {
-  switch (pending) {
-#define CP_WAIT(n) case n: asm volatile("cp.async.wait_group " #n ";" ::: "memory"); break;
-    CP_WAIT(0) CP_WAIT(1) CP_WAIT(2) CP_WAIT(3) CP_WAIT(4) CP_WAIT(5) CP_WAIT(6) CP_WAIT(7)
-    CP_WAIT(8) CP_WAIT(9) CP_WAIT(10) CP_WAIT(11) CP_WAIT(12) CP_WAIT(13) CP_WAIT(14)
-#undef CP_WAIT
-    default: asm volatile("cp.async.wait_group 15;" ::: "memory");
-  }
-}
-
-// x's pairs for the block at kb as load_x gives them (row 0 only: the assignment's), read from
-// shared memory (fp32, or fp16 widened exactly)
-__device__ __forceinline__ void smem_x(const float* xs, bool v0, int kb, int c, float2 p[4]) {
-#pragma unroll
-  for (int h = 0; h < 4; ++h)
-    p[h] = v0 ? *reinterpret_cast<const float2*>(xs + kb + 2 * c + 8 * h) : make_float2(0.f, 0.f);
-}
-__device__ __forceinline__ void smem_x(const __half* xs, bool v0, int kb, int c, float2 p[4]) {
-#pragma unroll
-  for (int h = 0; h < 4; ++h)
-    p[h] = v0 ? __half22float2(*reinterpret_cast<const __half2*>(xs + kb + 2 * c + 8 * h))
-              : make_float2(0.f, 0.f);
-}
-
-// The direct experts' CTA form with each warp's split streamed into shared memory instead of
-// a register ring: after the wait and the assignment's expert id, a warp issues cp.async for
-// its split's x, then its blocks (weight bytes and (scale, min) pairs of the tile's 8 NT
-// columns, a commit group a block), all at once, and runs the blocks in ascending order as
-// they land — q4_expert_cta's fragments, MMAs and merge in its order, so its bits. Few
-// registers and ~7 KB of shared memory a warp at gate_up's shapes, so a one-token launch's
-// CTAs are all resident and all of its experts' bytes in flight together (the ring's 148
-// registers held 3 CTAs an SM: two waves). Shared memory: S x (blocks x 20 x 8 NT + the
-// split's x) + S x 8 NT floats (`expert_stream_smem`).
-template <int NT, bool GATE_UP>
-__device__ __forceinline__ void q4_expert_stream(const void* __restrict__ xv, const int* __restrict__ ids,
-                                                 const unsigned char* __restrict__ qs,
-                                                 const unsigned* __restrict__ sm, void* __restrict__ outv,
-                                                 const float* __restrict__ wts, const float* __restrict__ res,
-                                                 float* __restrict__ hout, int* __restrict__ tickets,
-                                                 int N, int K, int stride_x, int stride_out, int S,
-                                                 int topk, int stride_res, int stride_h, int combine) {
-  using XT = typename pick<GATE_UP, float, __half>::type;
-  extern __shared__ __align__(16) unsigned char smem[];
-  constexpr int C = 8 * NT, QB = C * 16, SB = C * 4, CH = (QB + SB) / 16;
-  const int lane = threadIdx.x & 31, c = lane & 3, g = lane >> 2, sp = threadIdx.x >> 5;
-  const int a = blockIdx.y, n0 = blockIdx.x * C;
-  const long per_expert = (long)(K >> 5) * N;
-  int k_lo, k_hi, word;
-  unsigned sel;
-  split_k(K, S, sp, k_lo, k_hi);
-  lane_bytes(c, sel, word);
-  const int per = ((K / 64 + S - 1) / S) * 64;  // a full split's k: each warp's slot
-  const int slot = (per >> 5) * (QB + SB) + per * (int)sizeof(XT);
-  unsigned char* sq = smem + sp * slot;
-  unsigned char* ss = sq + (per >> 5) * QB;
-  XT* xs = reinterpret_cast<XT*>(ss + (per >> 5) * SB);
-  float* part = reinterpret_cast<float*>(smem + S * slot);  // [S][C]
-  const int nb = (k_hi - k_lo) >> 5;
-  pdl_wait();  // ids: the top-k's (gate_up); x: a kernel's
-  const long e = ids[a];
-  const unsigned char* gq = qs + (e * per_expert + (long)(k_lo >> 5) * N + n0) * 16;
-  const unsigned char* gs = reinterpret_cast<const unsigned char*>(sm + e * per_expert + (long)(k_lo >> 5) * N + n0);
-  const XT* gx = reinterpret_cast<const XT*>(xv) + (long)(GATE_UP ? a / topk : a) * stride_x + k_lo;
-  for (int i = lane; i < (k_hi - k_lo) * (int)sizeof(XT) / 16; i += 32)
-    cp_async16(reinterpret_cast<unsigned char*>(xs) + 16 * i, reinterpret_cast<const unsigned char*>(gx) + 16 * i);
-  asm volatile("cp.async.commit_group;" ::: "memory");
-  for (int b = 0; b < nb; ++b) {
-    for (int ch = lane; ch < CH; ch += 32) {
-      if (ch < QB / 16)
-        cp_async16(sq + b * QB + ch * 16, gq + (long)b * N * 16 + ch * 16);
-      else
-        cp_async16(ss + b * SB + (ch - QB / 16) * 16, gs + (long)b * N * 4 + (ch - QB / 16) * 16);
+  if constexpr (GATE_UP) {
+    for (int j = threadIdx.x; j < C / 2; j += blockDim.x) {
+      float gt = part[2 * j], up = part[2 * j + 1];
+      for (int q = 1; q < S; ++q) {  // split order 0..S-1
+        gt = gt + part[q * C + 2 * j];
+        up = up + part[q * C + 2 * j + 1];
+      }
+      reinterpret_cast<__half*>(outv)[(long)a * stride_out + n0 / 2 + j] = __float2half_rn(silu_mul(gt, up));
     }
-    asm volatile("cp.async.commit_group;" ::: "memory");
-  }
-  const bool v0 = g == 0;  // one row: the assignment's
-  float acc[NT][4];
-#pragma unroll
-  for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-  for (int b = 0; b < nb; ++b) {
-    cp_async_wait(nb - 1 - b);  // x's group and block b's have landed (this lane's copies)
-    __syncwarp();  // ... and the other lanes'
-    unsigned w0[NT], w1[NT], s[NT];
-#pragma unroll
-    for (int i = 0; i < NT; ++i) {
-      w0[i] = *reinterpret_cast<const unsigned*>(sq + b * QB + (g + 8 * i) * 16 + word);
-      w1[i] = *reinterpret_cast<const unsigned*>(sq + b * QB + (g + 8 * i) * 16 + word + 8);
-      s[i] = *reinterpret_cast<const unsigned*>(ss + b * SB + (g + 8 * i) * 4);
+  } else {
+    for (int j = threadIdx.x; j < C; j += blockDim.x) {
+      float v = part[j];
+      for (int q = 1; q < S; ++q) v = v + part[q * C + j];
+      reinterpret_cast<float*>(outv)[(long)a * stride_out + n0 + j] = v;
     }
-    float2 p[4];
-    smem_x(xs, v0, 32 * b, c, p);
-    block_mma<false, NT>(acc, p, sel, w0, w1, s);
-  }
-  expert_merge<NT, GATE_UP>(acc, part, outv, a, n0, stride_out, S);
-  if constexpr (!GATE_UP) {
-    if (combine) expert_combine<NT>(reinterpret_cast<const float*>(outv), wts, res, hout, tickets, a,
-                                    stride_out, topk, stride_res, stride_h, combine == 2,
-                                    reinterpret_cast<int*>(part));
   }
 }
 
@@ -865,16 +712,6 @@ __device__ __forceinline__ void q4_expert_stream(const void* __restrict__ xv, co
 #define Q4_EXPERTS(KIND, GU) Q4_EXPERT(KIND, GU, 1, 2) Q4_EXPERT(KIND, GU, 1, 4) \
     Q4_EXPERT(KIND, GU, 1, 8) Q4_EXPERT(KIND, GU, 2, 2) Q4_EXPERT(KIND, GU, 2, 4) \
     Q4_EXPERT(KIND, GU, 2, 8) Q4_EXPERT(KIND, GU, 4, 2) Q4_EXPERT(KIND, GU, 4, 4)
-// the streamed form: entries q4_es{KIND}{NT}, up to 8 splits, at most 64 registers a thread
-#define Q4_EXPERT_STREAM(KIND, GU, NT) extern "C" __global__ void __launch_bounds__(256, 4) \
-    q4_es##KIND##NT(const void* x, const int* ids, const unsigned char* qs, \
-                    const unsigned* sm, void* out, const float* wts, const float* res, \
-                    float* hout, int* tickets, int N, int K, int stride_x, int stride_out, \
-                    int S, int topk, int stride_res, int stride_h, int combine) { \
-    q4_expert_stream<NT, GU>(x, ids, qs, sm, out, wts, res, hout, tickets, N, K, stride_x, \
-                             stride_out, S, topk, stride_res, stride_h, combine); }
-#define Q4_EXPERTS_STREAM(KIND, GU) Q4_EXPERT_STREAM(KIND, GU, 1) Q4_EXPERT_STREAM(KIND, GU, 2) \
-    Q4_EXPERT_STREAM(KIND, GU, 4)
 
 #define Q4_ARGS const float* __restrict__ x, const unsigned char* __restrict__ qs, \
     const unsigned* __restrict__ sm, const float* __restrict__ res, float* __restrict__ y, \
@@ -904,7 +741,7 @@ __device__ __forceinline__ void q4_expert_stream(const void* __restrict__ xv, co
 # compare (the split programs with their ticket merge, streamed splits, probes, the swapped
 # form: two thirds of the PTX), compiled and loaded on their first launch only.
 CORE = r"""
-Q4_EXPERTS(gu, true) Q4_EXPERTS(dn, false) Q4_EXPERTS_STREAM(gu, true) Q4_EXPERTS_STREAM(dn, false)
+Q4_EXPERTS(gu, true) Q4_EXPERTS(dn, false)
 Q4_CTA(8, 1, 2) Q4_CTA(8, 1, 4) Q4_CTA(8, 1, 8) Q4_CTA(8, 2, 2) Q4_CTA(8, 2, 4) Q4_CTA(8, 2, 8)
 Q4_CTA(8, 4, 2) Q4_CTA(8, 4, 4) Q4_CTA(16, 1, 2) Q4_CTA(16, 1, 4) Q4_CTA(16, 2, 2)
 Q4_CTA(16, 2, 4) Q4_CTA(16, 4, 2) Q4_CTA(16, 4, 4)
@@ -912,8 +749,6 @@ Q4_CTAW(8, 1, 2) Q4_CTAW(8, 1, 4) Q4_CTAW(8, 1, 8) Q4_CTAW(8, 2, 2) Q4_CTAW(16, 
 Q4_CTAW(16, 1, 4) Q4_CTAW(16, 2, 2)
 """
 EXTRA = r"""
-// the CTA form streamed (CTA_STREAM): a warp's split whole into shared memory, up to 8 rows
-Q4_CTA(8, 1, 0) Q4_CTA(8, 2, 0) Q4_CTA(8, 4, 0)
 Q4_ROWS(8) Q4_ROWS(16) Q4_ENTRY(8, 1, 8) Q4_ENTRY(8, 2, 8)  // (16 rows at depth 8 spill)
 // depth 0: the split streamed whole into shared memory (stream_acc)
 Q4_ENTRY(8, 1, 0) Q4_ENTRY(8, 2, 0) Q4_ENTRY(8, 4, 0) Q4_ENTRY(16, 1, 0) Q4_ENTRY(16, 2, 0) Q4_ENTRY(16, 4, 0)
@@ -1010,7 +845,6 @@ def _compile(arch: str, source: str) -> bytes:
 # to 8 / up to 16 a row tile, x columns a warp = 8 NT)
 ENTRIES = tuple(f"q4_e{kind}{cols // 8}_d{d}".encode() for kind in ("gu", "dn")
                 for cols in (8, 16, 32) for d in (2, 4, 8) if cols * d <= 128)
-ENTRIES += tuple(f"q4_es{kind}{cols // 8}".encode() for kind in ("gu", "dn") for cols in (8, 16, 32))
 # the 512-thread CTA form for 9-16 splits: (rows, columns a warp) → the deepest ring it has
 CTAW_DEPTH = {(8, 8): 8, (8, 16): 2, (16, 8): 4, (16, 16): 2}
 ENTRIES += tuple(f"q4_ctaw{rows}_{cols // 8}_d{d}".encode()
@@ -1024,7 +858,6 @@ EXTRA_ENTRIES = tuple(f"q4_split{rows}_{cols // 8}_d{d}".encode()
                       for rows in (8, 16) for cols in (8, 16, 32) for d in (0, 2, 4, 8)
                       if cols * d <= 128 and (d < 8 or rows == 8))
 EXTRA_ENTRIES += tuple(f"q4_swap{mt}_{ng}_w{w}".encode() for mt, ng, w in SWAP_FORMS) + PROBES
-EXTRA_ENTRIES += tuple(f"q4_cta8_{cols // 8}_d0".encode() for cols in (8, 16, 32))
 STREAM = 0  # the depth that names the other form: the warp's split streamed into shared memory
 COLS = 16  # columns a warp by default (the fastest at 1-8 rows of qkv, GPU_NOTES v15)
 DEPTH = 8  # blocks a warp keeps in flight (register ring slots), or STREAM
@@ -1037,18 +870,10 @@ EXPERT_MAX_SPLIT = CTA_SPLITS_256  # the experts' CTA form: 256-thread entries o
 # at depth 8 a split of fewer blocks runs depth 4: H100, cold, o (16 blocks a split) 1 / 8 rows
 # 6.1 / 8.3 µs at depth 8, 5.8 / 7.2 at 4; qkv (32 blocks) 7.7 / 9.4 at 8, 8.1 / 9.7 at 4
 CTA_DEEP_BLOCKS = 32
-# the CTA form with each warp's split streamed whole into shared memory (cp.async, 4 commit
-# groups) instead of the register ring, at 1-8 rows where a split is a multiple of 16 blocks
-# (qkv, o); unmeasured (bench/ab_modes.py `ctastream`)
-CTA_STREAM = False
 SWAP_MT = 2  # the swapped form: m16 feature tiles a warp
 SWAP_WARPS = 4  # ... and warps a CTA
 EXPERT_COLS = 16  # the direct experts' CTA form: columns a warp
-EXPERT_DEPTH = 4  # ... and blocks in flight (register ring slots; fewer where a split needs),
-# or STREAM: each warp's split streamed whole into shared memory (q4_expert_stream)
-# the streamed form's down CTAs also run the MoE's combine (the last of a token's k CTAs of a
-# column tile, by a ticket): one kernel less a layer; unmeasured (bench/ab_modes.py `ecombine`)
-EXPERT_COMBINE = False
+EXPERT_DEPTH = 4  # ... and blocks in flight (register ring slots; fewer where a split needs)
 _BIG_SMEM: set = set()  # kernels given more than 48 KB of dynamic shared memory
 _TICKETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Q4Linear → {key: tickets}
 
@@ -1149,13 +974,12 @@ def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
     shared memory at once.
     probe: a PROBES kernel to launch instead (bench only: wrong values). cta (default CTA):
     the CTA form where it applies (a ring depth, ≤ CTA_MAX_SPLIT splits), a CTA the splits of
-    a column tile (`warps` ignored); cta True with depth STREAM: the CTA form streamed."""
+    a column tile (`warps` ignored)."""
     n, big_n, k = x.shape[0], lin.out_features, lin.in_features
     chosen = depth is not None
     cols, depth = cols or COLS, DEPTH if depth is None else depth
-    asked = cta is True  # (a STREAM depth goes to the split programs unless the CTA form is asked)
     cta = CTA if cta is None else cta
-    if cta and probe is None and (depth != STREAM or asked) and cta_takes(lin, cols):
+    if cta and probe is None and depth != STREAM and cta_takes(lin, cols):
         return _cta_linear(lin, x, out, residual, cols, depth, chosen)
     _check(x, out, residual)
     if cols not in (8, 16, 32) or big_n % cols or k % 64 or LINEAR_TILE.bk != 64 \
@@ -1201,29 +1025,17 @@ def _cta_linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
     n, big_n, k = x.shape[0], lin.out_features, lin.in_features
     _check(x, out, residual)
     if cols not in (8, 16, 32) or big_n % cols or k % 64 or LINEAR_TILE.bk != 64 \
-            or depth not in (STREAM, 2, 4, 8) or cols * depth > 128 or not cta_takes(lin, cols):
+            or depth not in (2, 4, 8) or cols * depth > 128 or not cta_takes(lin, cols):
         raise ValueError("cuda_q4: the CTA form needs cols 8, 16 or 32 dividing N, K a multiple "
                          f"of 64, depth 2, 4 or 8 (cols x depth ≤ 128), ≤ {CTA_MAX_SPLIT} splits "
                          "(above 8: 8 or 16 cols)")
     cuda, fns = _functions(x.device.index or 0)
     sm = lin.sm.view(torch.int32)
     rows = 16 if n > 8 else 8
+    wide, depth = _cta_plan(lin, rows, cols, depth, chosen)
     res = residual if residual is not None else out
-    smem = lin.split * 16 * cols * 4  # the partials
-    blocks = -(-k // 64 // lin.split) * 2
-    if depth == STREAM or (CTA_STREAM and not chosen):
-        if rows > 8 or blocks % 16 or lin.split > CTA_SPLITS_256:
-            if depth == STREAM:
-                raise ValueError("cuda_q4: the streamed CTA form takes ≤ 8 rows, ≤ 8 splits of a "
-                                 "multiple of 16 blocks")
-        else:
-            depth, smem = STREAM, smem + lin.split * blocks * cols * 20
-    if depth == STREAM:
-        fn = fns[f"q4_cta8_{cols // 8}_d0".encode()]
-    else:
-        wide, depth = _cta_plan(lin, rows, cols, depth, chosen)
-        fn = fns[f"q4_cta{'w' if wide else ''}{rows}_{cols // 8}_d{depth}".encode()]
-    _launch(cuda, fn, (big_n // cols, 1, -(-n // 16)), 32 * lin.split, smem,
+    fn = fns[f"q4_cta{'w' if wide else ''}{rows}_{cols // 8}_d{depth}".encode()]
+    _launch(cuda, fn, (big_n // cols, 1, -(-n // 16)), 32 * lin.split, lin.split * 16 * cols * 4,
             (x, lin.qs, sm, res, out, out, sm),
             (n, big_n, k, x.stride(0), res.stride(0), out.stride(0), lin.split,
              int(residual is not None)))
@@ -1255,87 +1067,38 @@ def experts_fit(experts, x: torch.Tensor) -> bool:
     i, h = experts.inter, experts.hidden
     (gw, gs), (dw, ds) = experts.gu, experts.down
     whole = all(t.is_contiguous() for t in (gw, gs, dw, ds))
-    if EXPERT_DEPTH == STREAM and (x.stride(0) % 4 or x.data_ptr() % 16):
-        return False  # (cp.async: 16-byte aligned rows of x and of the fp16 intermediate)
     return (whole and max(experts.gu_split, experts.down_split) <= EXPERT_MAX_SPLIT
             and (2 * i) % EXPERT_COLS == 0 and h % EXPERT_COLS == 0 and h % 64 == 0
             and i % 64 == 0 and LINEAR_TILE.bk == 64 and available(x.device.index or 0))
 
 
 def experts_direct(x: torch.Tensor, ids: torch.Tensor, experts, inter: torch.Tensor,
-                   y: torch.Tensor, cols: int | None = None, depth: int | None = None,
-                   combine: tuple | None = None) -> bool:
+                   y: torch.Tensor, cols: int | None = None, depth: int | None = None) -> None:
     """triton_moe's direct q4 experts (a slot per assignment) in the CTA form (q4_expert_cta):
     inter [T*k, I] fp16 = silu(x W_gate.T) * (x W_up.T), then y [T*k, hidden] = inter W_down.T,
     each (assignment, column tile) a CTA of the weight's K splits, merged in split order —
-    the direct split programs' bits. x [T, hidden] fp32; ids [T, k] int32 contiguous.
-    combine (wts [T, k] fp32, out [T, hidden], residual [T, hidden] or None): where the
-    streamed form runs and EXPERT_COMBINE, down's CTAs also write out = (residual +) the rank-
-    order sum of wts x y, as triton_moe_route.combine does (its bits); returns whether they
-    did (else the caller combines)."""
-    cols, depth = cols or EXPERT_COLS, EXPERT_DEPTH if depth is None else depth
-    if cols not in (8, 16, 32) or depth not in (STREAM, 2, 4, 8) or cols * depth > 128:
-        raise ValueError("cuda_q4: expert cols 8, 16 or 32 and depth 2, 4 or 8 (cols x depth ≤ "
-                         "128), or STREAM")
+    the direct split programs' bits. x [T, hidden] fp32; ids [T, k] int32 contiguous."""
+    cols, depth = cols or EXPERT_COLS, depth or EXPERT_DEPTH
+    if cols not in (8, 16, 32) or depth not in (2, 4, 8) or cols * depth > 128:
+        raise ValueError("cuda_q4: expert cols 8, 16 or 32 and depth 2, 4 or 8 (cols x depth ≤ 128)")
     if ids.dtype != torch.int32 or not ids.is_contiguous() or inter.dtype != torch.float16 \
             or not inter.is_contiguous() or y.dtype != torch.float32 or not y.is_contiguous():
         raise ValueError("cuda_q4: ids int32, inter fp16 and y fp32, all contiguous")
     t, top_k = ids.shape
     if t * top_k == 0:
-        return False
+        return
     i, h = experts.inter, experts.hidden
     cuda, fns = _functions(x.device.index or 0)
     (gw, gs), (dw, ds) = experts.gu, experts.down
-    fused = combine is not None and depth == STREAM and EXPERT_COMBINE
-    if fused:
-        wts, out, res = combine
-        res = out if res is None else res
-        if wts.shape != (t, top_k) or out.shape != (t, h) or res.shape != (t, h) or \
-                any(v.dtype != torch.float32 or v.stride(-1) != 1 for v in (wts, out, res)) \
-                or not wts.is_contiguous():
-            raise ValueError("cuda_q4: combine takes wts [T, k] contiguous, out and residual "
-                             "[T, hidden] fp32 with contiguous rows")
-        tickets = _combine_tickets(h // cols * t, x.device)
-        extra = ((wts, res, out, tickets), (res.stride(0), out.stride(0), 1 + (combine[2] is not None)))
     for kind, src, w, s, dst, n, k, split in (("gu", x, gw, gs, inter, 2 * i, h, experts.gu_split),
                                                ("dn", inter, dw, ds, y, h, i, experts.down_split)):
         blocks = -(-k // 64 // split) * 2
-        ptrs, ints = (src, ids, w, s.view(torch.int32), dst), (n, k, src.stride(0), dst.stride(0), split, top_k)
-        if depth == STREAM:
-            name, smem = f"q4_es{kind}{cols // 8}", expert_stream_smem(k, split, cols, src.element_size())
-            if kind == "dn" and fused:
-                ptrs, ints = ptrs + extra[0], ints + extra[1]
-            else:  # (no combine: its pointers unread)
-                ptrs, ints = ptrs + (y, y, y, ids), ints + (0, 0, 0)
-        else:
-            d = depth
-            while blocks % d:
-                d //= 2
-            name, smem = f"q4_e{kind}{cols // 8}_d{d}", split * cols * 4
-        _launch(cuda, fns[name.encode()], (n // cols, t * top_k, 1), 32 * split, smem, ptrs, ints)
-    return fused
-
-
-# device → the fused combine's ticket counters (zero between launches), newest last: a CUDA
-# graph keeps the address it captured, so an outgrown one is kept, never freed
-_COMBINE_TICKETS: dict = {}
-
-
-def _combine_tickets(count: int, device: torch.device) -> torch.Tensor:
-    """At least `count` zeroed ticket counters for the fused combine on `device`, shared by the
-    launches there (in stream order; each resets the tickets it takes)."""
-    have = _COMBINE_TICKETS.setdefault(device, [])
-    if not have or have[-1].numel() < count:
-        have.append(torch.zeros(max(count, 4096), dtype=torch.int32, device=device))
-    return have[-1]
-
-
-def expert_stream_smem(k: int, split: int, cols: int, x_bytes: int) -> int:
-    """Shared memory of the streamed expert form (q4_expert_stream): a slot a warp for a full
-    split's blocks (16 weight bytes and a 4-byte (scale, min) pair a column) and its x, then
-    the splits' partials."""
-    per = -(-k // 64 // split) * 64
-    return split * (per // 32 * cols * 20 + per * x_bytes) + split * cols * 4
+        d = depth
+        while blocks % d:
+            d //= 2
+        _launch(cuda, fns[f"q4_e{kind}{cols // 8}_d{d}".encode()], (n // cols, t * top_k, 1),
+                32 * split, split * cols * 4, (src, ids, w, s.view(torch.int32), dst),
+                (n, k, src.stride(0), dst.stride(0), split, top_k))
 
 
 def _check(x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None) -> None:

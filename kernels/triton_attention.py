@@ -28,14 +28,19 @@ from kernels.triton_pdl import pdl_wait, prefetch_l2
 
 SPLIT = 512  # keys per split (fixed: a property of the kernel, not of the batch)
 BLOCK_N = 32  # keys per inner tile (fp32 K/V); SPLIT % BLOCK_N == 0
-BLOCK_N_BF16 = 64  # keys per inner tile (bf16 K/V: the same bytes per tile as fp32's 32)
+# keys per inner tile of bf16 K/V (a split of fewer keys takes its whole split as the tile).
+# 128 with 4 warps and 2 stages (before: 64, 8 warps, 3 stages; other bits, the same at every
+# batch): H100, greedy, tok/s — context 128 x 1 stream 415.0 → 425.1, 2,048 x 1 345.6 →
+# 368.6, 8,192 x 1 316.2 → 336.2, 2,048 x 64 3,953.6 → 3,956.9, 128 x 64 5,656.3 → 5,631.8;
+# the engine's bitwise alone-vs-among sets 13/13 (GPU_NOTES v20)
+BLOCK_N_BF16 = 128
 PRECISION = "tf32x3"  # fp32-accurate dots on the tensor cores (three tf32 products)
 # launch of the split kernel. STAGES: Triton's software pipeline streams the key tiles through
-# shared memory (cp.async; 80 registers a thread): against the next tile's loads issued by
-# hand into registers (157), the same bits and 1.2-1.4x the bandwidth at 2K-32K contexts on
-# the H200 (GPU_NOTES v9). WARPS sets the score tile's layout, so its row reductions: another
-# WARPS gives other bits
-WARPS, STAGES = 8, 3
+# shared memory (cp.async): against the next tile's loads issued by hand into registers, the
+# same bits and 1.2-1.4x the bandwidth at 2K-32K contexts on the H200 (GPU_NOTES v9; 3 stages
+# of 128-key tiles measured as 2). WARPS sets the score tile's layout, so its row reductions:
+# another WARPS gives other bits (2 warps: 2,048 x 1 310.9 tok/s against 4's 372.7, v20)
+WARPS, STAGES = 4, 2
 # few programs (one stream, say): a kv head's query heads are dealt over up to GROUP programs
 # (HS) until the launch has this many programs. Each row of the score tile is one query head
 # and every reduction is per row, on the same [GROUP_PAD, BLOCK_N] tile, so a head's bits do
@@ -225,7 +230,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             raise ValueError(f"paged_attention: {name} must be contiguous int32")
     if tok_row.shape != (t,) or ctx_lens.shape != (t,) or block_tables.dim() != 2 or out.shape != q.shape:
         raise ValueError("paged_attention: tok_row/ctx_lens [T], block_tables [S, MB], out like q")
-    block_n = BLOCK_N_BF16 if k_cache.dtype == torch.bfloat16 else BLOCK_N
+    block_n = min(BLOCK_N_BF16 if k_cache.dtype == torch.bfloat16 else BLOCK_N, split)
     if split % block_n:
         raise ValueError(f"split {split} must be a multiple of {block_n}")
     if t == 0:

@@ -553,9 +553,8 @@ def moe(x: torch.Tensor, router: Linear, experts: StackedExperts, top_k: int,
         return _fused(x, ids, wts, experts, residual)
     inter = torch.empty(t * top_k, experts.inter, dtype=inter_dtype(experts), device=dev)  # [T*k, I]
     y = torch.empty(t * top_k, experts.hidden, dtype=torch.float32, device=dev)  # [T*k, hidden]
+    experts_forward(x, ids, experts, inter, y)
     out = torch.empty(t, experts.hidden, dtype=torch.float32, device=dev)
-    if experts_forward(x, ids, experts, inter, y, combine=(wts, out, residual)):
-        return out  # (combined by the experts' down kernel)
     return triton_moe_route.combine(y, wts, out, residual)
 
 
@@ -568,7 +567,7 @@ def prepare_experts(experts: tuple[tuple[Linear, Linear], ...], device: str) -> 
 def experts_forward(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
                     inter: torch.Tensor, y: torch.Tensor, tile: TileConfig | Q4Tile | None = None,
                     seq: bool | None = None, dense: bool | None = None,
-                    flat: int | None = None, combine: tuple | None = None) -> bool:
+                    flat: int | None = None) -> None:
     """y [T*k, hidden] ← expert(ids[t, r]) applied to x[t], row a = t*k + r; inter [T*k, I]
     (float16 for q4/q8 experts: the down GEMM rounds it to fp16 anyway, so the bits are the
     same and its bytes half). tile: the f32/q8 TileConfig, or a q4 Q4Tile with the BK the
@@ -580,16 +579,15 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
     bounded; a token's bits do not depend on its pass); otherwise all go in one pass.
     dense: q4 experts dequantized once into fp16 and run on many-warp tiles (default: on CUDA
     from DENSE_MIN_TOKENS tokens), the same bits; `tile` and flat (the one-loop form), when
-    given, replace both kernels' DENSE_GATE_UP / DENSE_DOWN (bench variants). combine
-    (wts, out, residual): the combine's operands (triton_moe_route.combine), which the CUDA
-    direct form may fuse into down; returns whether it did (else the caller combines)."""
+    given, replace both kernels' DENSE_GATE_UP / DENSE_DOWN (bench variants)."""
     t, top_k = ids.shape
     if (CUDA_MAX_TOKENS and 0 < t <= min(CUDA_MAX_TOKENS, DIRECT_MAX_TOKENS) and tile is None
             and seq is None and dense is None and t * top_k <= experts.num_experts and x.is_cuda
             and inter.shape == (t * top_k, experts.inter) and y.shape == (t * top_k, experts.hidden)):
         from kernels import cuda_q4
         if cuda_q4.experts_fit(experts, x):  # the direct split programs' bits
-            return cuda_q4.experts_direct(x, ids, experts, inter, y, combine=combine)
+            cuda_q4.experts_direct(x, ids, experts, inter, y)
+            return
     if dense is None:
         dense = (experts.fmt == "q4" and x.device.type == "cuda" and DENSE_MIN_TOKENS is not None
                  and t >= DENSE_MIN_TOKENS and experts.hidden % DENSE_GATE_UP[0].bk == 0
@@ -599,7 +597,7 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
         if tile is not None or flat is not None:
             gu = down = (tile or gu[0], int(flat or 0))
         _experts_f16(x, ids, experts, inter, y, gu, down)
-        return False
+        return
     if (inter.shape[0], y.shape[0]) != (t * top_k, t * top_k):
         raise ValueError("inter [T*k, I] and y [T*k, hidden] expected")
     seq = seq if seq is not None else t >= SEQ_MIN_TOKENS
@@ -609,7 +607,6 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
         t1 = min(t, t0 + step)
         _experts_pass(x[t0:t1], ids[t0:t1], experts, inter[t0 * top_k:t1 * top_k],
                       y[t0 * top_k:t1 * top_k], tile, seq)
-    return False
 
 
 def _experts_pass(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,

@@ -35,7 +35,7 @@ def test_the_swapped_cuda_modes_route_rows_to_the_swapped_form(mode, want):
                         "cuda_q4.SWAP_WARPS") == want.split()
 
 
-@pytest.mark.parametrize("mode,want", [("pdl", "512 512 8 3"),
+@pytest.mark.parametrize("mode,want", [("pdl", "512 512 4 2"),
                                        ("pdl_attnsplit256_attn4_2", "256 256 4 2")])
 def test_the_attention_modes_set_the_kernel_and_the_memory_estimate(mode, want):
     assert _knobs(mode, "triton_attention.SPLIT, memory.ATTN_SPLIT, triton_attention.WARPS, "
@@ -68,12 +68,9 @@ def test_the_expert_cuda_modes_set_their_knobs_and_leave_the_linear_alone(mode, 
                         "triton_linear.CUDA_MAX_ROWS") == want.split()
 
 
-@pytest.mark.parametrize("mode,want", [("pdl", "4 False False 64 8 3"),
-                                       ("pdl_edepth0_ecombine_ctastream_attnbn128_attn8_2",
-                                        "0 True True 128 8 2")])
-def test_the_streamed_cuda_forms_and_the_key_tile_modes_set_their_knobs(mode, want):
-    assert _knobs(mode, "cuda_q4.EXPERT_DEPTH, cuda_q4.EXPERT_COMBINE, cuda_q4.CTA_STREAM, "
-                        "triton_attention.BLOCK_N_BF16, triton_attention.WARPS, "
+@pytest.mark.parametrize("mode,want", [("pdl", "128 4 2"), ("pdl_attnbn64_attn8_3", "64 8 3")])
+def test_the_key_tile_mode_sets_the_attention_tile(mode, want):
+    assert _knobs(mode, "triton_attention.BLOCK_N_BF16, triton_attention.WARPS, "
                         "triton_attention.STAGES") == want.split()
 
 

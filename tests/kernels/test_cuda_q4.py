@@ -42,8 +42,7 @@ def test_the_cuda_q4_source_compiles_for_hopper_without_spills(tmp_path, part):
 @pytest.mark.skipif(not HAVE_NVRTC, reason="needs NVRTC and the CUDA headers")
 def test_every_kernel_waits_on_its_predecessor_and_the_ring_loads_weights_before_that():
     """PDL: every entry runs griddepcontrol.wait (before reading what a kernel wrote); the
-    CTA forms issue their first ring blocks' weight loads (streamed: the split's cp.async)
-    before it, and x's after."""
+    CTA forms issue their first ring blocks' weight loads before it, and x's after."""
     code = "".join(cuda_q4.ptx("compute_90", part=part).decode() for part in cuda_q4.PARTS)
     bodies = {b.split("(")[0]: b for b in code.split(".visible .entry ")[1:]}
     assert set(bodies) == {e.decode() for e in cuda_q4.ENTRIES + cuda_q4.EXTRA_ENTRIES}
@@ -51,8 +50,7 @@ def test_every_kernel_waits_on_its_predecessor_and_the_ring_loads_weights_before
         assert "griddepcontrol.wait;" in body and "griddepcontrol.launch_dependents;" in body, name
         if name.startswith("q4_cta"):
             wait = body.index("griddepcontrol.wait;")
-            weights = "cp.async.cg.shared.global" if name.endswith("_d0") else "ld.global.nc"
-            assert body.index(weights) < wait, name  # the weights: before (streamed: cp.async)
+            assert body.index("ld.global.nc") < wait, name  # the weights: before
             assert re.search(r"ld\.global\.nc\.v2\.f32", body[wait:]), name  # x: after
 
 
@@ -163,8 +161,7 @@ def test_the_cuda_q4_kernel_gives_the_decode_tile_bits(n, k):
 def test_the_cta_form_gives_the_decode_tile_bits(n, k, programs):
     """q4_cta (a CTA a column tile's splits, merged in shared memory): the split programs'
     bits at 1-40 rows (one and several row tiles), with and without the residual, for split
-    counts of 1-16 (the weights re-split for `programs`; above 8 the 512-thread entries), and
-    streamed (≤ 8 rows, splits of a multiple of 16 blocks)."""
+    counts of 1-16 (the weights re-split for `programs`; above 8 the 512-thread entries)."""
     from bench.kernel_bench import rand_q4
     from kernels import q4_layout, triton_q4
 
@@ -177,10 +174,7 @@ def test_the_cta_form_gives_the_decode_tile_bits(n, k, programs):
         res = torch.randn(m, n, generator=g, device="cuda")
         want = triton_q4.linear(lin, x, nan(m), res, tile=q4_layout.LINEAR_TILE, seq=False)
         bare = triton_q4.linear(lin, x, nan(m), tile=q4_layout.LINEAR_TILE, seq=False)
-        blocks = -(-k // 64 // lin.split) * 2
-        streams = m <= 8 and blocks % 16 == 0 and lin.split <= cuda_q4.CTA_SPLITS_256
-        for cols, depth in ((8, 8), (16, 8), (16, 4), (32, 4), (8, 2)) + (
-                ((16, cuda_q4.STREAM), (32, cuda_q4.STREAM)) if streams else ()):
+        for cols, depth in ((8, 8), (16, 8), (16, 4), (32, 4), (8, 2)):
             if n % cols or not cuda_q4.cta_takes(lin, cols):
                 continue
             got = cuda_q4.linear(lin, x, nan(m), res, cols=cols, depth=depth, cta=True)
@@ -293,7 +287,7 @@ def test_the_direct_experts_in_the_cta_form_give_the_split_programs_bits(monkeyp
                                                                           experts):
     """cuda_q4.experts_direct (triton_moe.CUDA_MAX_TOKENS): inter (SiLU·up in fp16, through
     Triton's own PTX for it) and y equal to the direct split programs' at 1-8 tokens, at
-    several columns a warp and ring depths and streamed (q4_expert_stream), split counts 4-8."""
+    several columns a warp and ring depths, split counts 4-8."""
     from bench.kernel_bench import rand_q4
     from kernels import moe_layout, triton_moe
 
@@ -310,8 +304,7 @@ def test_the_direct_experts_in_the_cta_form_give_the_split_programs_bits(monkeyp
         triton_moe.experts_forward(x, ids, st, want_i, want_y)
         assert not want_y.isnan().any()
         monkeypatch.setattr(triton_moe, "CUDA_MAX_TOKENS", 8)
-        for cols, depth in ((16, 4), (8, 8), (32, 4), (16, 2), (16, cuda_q4.STREAM),
-                            (8, cuda_q4.STREAM), (32, cuda_q4.STREAM)):
+        for cols, depth in ((16, 4), (8, 8), (32, 4), (16, 2)):
             monkeypatch.setattr(cuda_q4, "EXPERT_COLS", cols)
             monkeypatch.setattr(cuda_q4, "EXPERT_DEPTH", depth)
             monkeypatch.setattr(cuda_q4, "PDL", depth == 4)  # the launch: no bit
@@ -325,38 +318,6 @@ def test_the_direct_experts_in_the_cta_form_give_the_split_programs_bits(monkeyp
             assert calls, "the CTA form should have run"
             assert torch.equal(got_i, want_i), (t, cols, depth, "inter")
             assert torch.equal(got_y, want_y), (t, cols, depth, float((got_y - want_y).abs().max()))
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_the_combine_fused_into_the_streamed_down_gives_the_combine_kernels_bits(monkeypatch):
-    """cuda_q4.EXPERT_COMBINE: the streamed down's CTAs write (residual +) the rank-order sum
-    of wts x y bit for bit as triton_moe_route.combine does, at 1-8 tokens, with and without the
-    residual, launch after launch (the tickets reset themselves), and y as before."""
-    from bench.kernel_bench import rand_q4
-    from kernels import moe_layout, triton_moe_route
-
-    g = torch.Generator("cuda").manual_seed(7)
-    hidden, inter, experts = 2048, 768, 128
-    st = moe_layout.StackedExperts.stack(
-        tuple((rand_q4(2 * inter, hidden, g), rand_q4(hidden, inter, g)) for _ in range(experts)))
-    monkeypatch.setattr(cuda_q4, "EXPERT_COMBINE", True)
-    for t in (1, 3, 8, 1):
-        x = torch.randn(t, hidden, generator=g, device="cuda")
-        ids = torch.rand(t, experts, generator=g, device="cuda").topk(8, dim=-1).indices.int().contiguous()
-        wts = torch.rand(t, 8, generator=g, device="cuda")
-        res = torch.randn(t, hidden, generator=g, device="cuda")
-        inter_a = torch.empty(t * 8, inter, device="cuda", dtype=torch.float16)
-        y_a = torch.empty(t * 8, hidden, device="cuda")
-        assert not cuda_q4.experts_direct(x, ids, st, inter_a, y_a, depth=cuda_q4.STREAM)
-        for residual in (res, None):
-            want = triton_moe_route.combine(y_a, wts, torch.empty(t, hidden, device="cuda"), residual)
-            y_b = torch.full_like(y_a, float("nan"))
-            got = torch.full((t, hidden), float("nan"), device="cuda")
-            assert cuda_q4.experts_direct(x, ids, st, torch.empty_like(inter_a), y_b,
-                                          depth=cuda_q4.STREAM, combine=(wts, got, residual))
-            assert torch.equal(y_b, y_a), t
-            assert torch.equal(got, want), (t, residual is None, float((got - want).abs().max()))
-    assert not any(v.any() for v in cuda_q4._COMBINE_TICKETS[x.device])
 
 
 def test_the_ptx_is_compiled_once_and_kept_on_disk(monkeypatch, tmp_path):
