@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The next session's first device call (kernels/GPU_NOTES.md, "Left undone" item 0), printing
 # as it goes; every step has its own timeout so a hang costs that step only. Nothing built is
-# unmeasured as of v19: this call re-checks the bits on whatever machine comes, takes the
-# defaults' baseline there (compare new variants only against numbers from the same call) and
-# the kernel profile at 1 and 64 streams the next fusion is chosen from. Update it when the
-# list changes.
+# unmeasured as of v20: this call re-checks the bits on whatever machine comes, takes the
+# defaults' baseline there (compare new variants only against numbers from the same call),
+# the kernel profile at 1 and 64 streams, and Nsight Compute over the one-token kernels (what
+# holds gate_up at 48% of copy: v20). Update it when the list changes.
 # Usage (on the GPU machine, repo root):   OUT=/some/dir bash bench/gpu_pending.sh
 # (MODES= names ab modes to run beside the defaults; BITWISE_MODES adds the bitwise sets)
 set -u
@@ -23,9 +23,12 @@ KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=${TAIL:-5} T_ENGINE=${T_ENGINE:-150} \
   ENGINE_MODES="pdl ${MODES-}" CONTEXT=128,2048 STREAMS=1,8,64 TAG=_base \
   bash bench/gpu_ab.sh 2>&1 | grep -v "^context\|^KV pool"
 
-stamp "kernel time per step by kernel (eager, CUPTI), 1 and 64 streams"
-timeout 200 python -m bench.gpu_profile --prompts 8 --prompt-len 512 --json "$OUT/profile.json" 2>&1 \
-  | grep -v Warning | head -80
+stamp "kernel time per step by kernel (eager, CUPTI, plain launches), 1 and 64 streams"
+timeout 200 python -m bench.gpu_profile --prompts 8 --prompt-len 512 --no-pdl --json "$OUT/profile.json" 2>&1 \
+  | grep -v Warning | grep -A14 "== decode"
+
+stamp "Nsight Compute: the one-token kernels (gate_up, down, qkv, o, the router)"
+PROBE_ARGS="--ms 1 --ts 1" NCU_KERNELS="q4_e|q4_cta" T_NCU=200 bash bench/ncu_probe.sh 2>&1 | tail -24
 
 # BITWISE_MODES="...": the engine's bitwise alone-vs-among sets under each (the judge before a
 # mode becomes a default); none by default
