@@ -94,6 +94,9 @@ def apply(mode: str) -> None:
     if re.search(r'hsplit[0-9]+', mode):  # a kv head's query heads dealt over programs (same bits)
         from kernels import triton_attention
         triton_attention.HEAD_SPLIT_PROGRAMS = int(re.search(r'hsplit([0-9]+)', mode).group(1))
+    if 'attnmerge' in mode:  # the paged attention's split merge by the last split program
+        from kernels import triton_attention
+        triton_attention.FUSED_MERGE = True
     if re.search(r'attnbn[0-9]+', mode):  # keys a tile of the bf16 paged attention (128; other bits)
         from kernels import triton_attention
         triton_attention.BLOCK_N_BF16 = int(re.search(r'attnbn([0-9]+)', mode).group(1))

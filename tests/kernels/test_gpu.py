@@ -161,6 +161,20 @@ def test_paged_attention_at_real_shapes_and_bitwise_alone(dtype):
     finally:
         triton_attention.PREFETCH_KV = prefetch
     assert torch.equal(again, out) and torch.equal(alone[0], out[5])
+    # the merge by the last split program (FUSED_MERGE): the merge kernel's bits, twice (the
+    # tickets reset themselves), and alone
+    fused = triton_attention.FUSED_MERGE
+    try:
+        triton_attention.FUSED_MERGE = True
+        for _ in range(2):
+            merged = triton_attention.paged_attention(q, kc, vc, tables, rows, ctx, d ** -0.5, nan(t, h, d))
+            assert torch.equal(merged, out)
+        alone = triton_attention.paged_attention(q[5:6].contiguous(), kc, vc, tables[5:6].contiguous(),
+                                                 torch.zeros(1, dtype=torch.int32, device=DEV),
+                                                 ctx[5:6].contiguous(), d ** -0.5, nan(1, h, d))
+    finally:
+        triton_attention.FUSED_MERGE = fused
+    assert torch.equal(alone[0], out[5]) and not triton_attention._TICKETS[q.device].any()
 
 
 @functools.lru_cache(maxsize=1)

@@ -321,6 +321,32 @@ def test_paged_attention_bits_do_not_depend_on_how_a_kv_heads_query_heads_are_de
     assert [triton_attention.head_splits(p, 8) for p in (4, 100, 200)] == [1, 1, 1]  # off
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_the_merge_fused_into_the_split_programs_gives_the_merge_kernels_bits(monkeypatch, kv_dtype):
+    """FUSED_MERGE: the last split program of a token's program row merges the partials —
+    the merge kernel's bits, with head splits too, launch after launch (the tickets reset);
+    where the tickets do not cover the launch, the merge kernel runs."""
+    g = gen(17)
+    kc, vc, tables = _paged_setup(g, h=8, kvh=2, dtype=kv_dtype)
+    tok_row = torch.tensor([0, 2, 1, 0], dtype=torch.int32)
+    ctx = torch.tensor([61, 5, 64, 33], dtype=torch.int32)  # 1-4 splits of 16
+    q = torch.randn(4, 8, 16, generator=g)
+    want = triton_attention.paged_attention(q, kc, vc, tables, tok_row, ctx, 0.3, nan(4, 8, 16),
+                                            split=16)
+    monkeypatch.setattr(triton_attention, "FUSED_MERGE", True)
+    for hs in (1, 2, 1):
+        got = triton_attention.paged_attention(q, kc, vc, tables, tok_row, ctx, 0.3,
+                                               nan(4, 8, 16), split=16, head_split=hs)
+        assert torch.equal(got, want), hs
+    tickets = triton_attention._TICKETS[q.device]
+    assert not tickets.any()
+    monkeypatch.setattr(triton_attention, "MERGE_TICKETS", 4)  # fewer than 4 tokens x 2 kv heads
+    monkeypatch.setattr(triton_attention, "_TICKETS", {})
+    got = triton_attention.paged_attention(q, kc, vc, tables, tok_row, ctx, 0.3, nan(4, 8, 16),
+                                           split=16)
+    assert torch.equal(got, want)
+
+
 def test_head_splits_double_until_the_launch_has_its_programs(monkeypatch):
     monkeypatch.setattr(triton_attention, "HEAD_SPLIT_PROGRAMS", 128)
     assert [triton_attention.head_splits(p, 8) for p in (4, 16, 40, 64, 128, 500)] == [8, 8, 4, 2, 1, 1]
