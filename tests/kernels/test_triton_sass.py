@@ -31,8 +31,9 @@ def test_sass_report_counts_the_k_loop_of_the_engine_tile():
 
 def test_paged_attention_streams_its_key_tiles_through_the_pipeline():
     """The split kernel's key tiles go through Triton's software pipeline (cp.async into shared
-    memory) at about 80 registers a thread; the hand-prefetched form (tiles in registers, 157)
-    ran at 0.7-0.8x the bandwidth on the H200 (GPU_NOTES v9)."""
+    memory); the hand-prefetched form (tiles in registers) ran at 0.7-0.8x the bandwidth on the
+    H200 (GPU_NOTES v9). 128-key tiles on 4 warps take 192 registers a thread (64-key tiles on
+    8: ~80; v20), within the 255 a thread may hold."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-m", "bench.sass_report", "--attention"],
                          capture_output=True, text=True, env=env, timeout=300)
@@ -41,7 +42,7 @@ def test_paged_attention_streams_its_key_tiles_through_the_pipeline():
                   r"(\d+) registers", out.stdout)
     assert m, out.stdout
     instr, ldgsts, regs = (int(v) for v in m.groups())
-    assert 200 < instr < 5000 and ldgsts > 0 and regs <= 128, out.stdout
+    assert 200 < instr < 5000 and ldgsts > 0 and regs <= 224, out.stdout
 
 
 
