@@ -382,6 +382,27 @@ def _moe(x, router, stacked, top_k, residual=None, tile=None):
     return ids, wts, triton_moe_route.combine(y, wts, nan(t, stacked.hidden), residual)
 
 
+@pytest.mark.parametrize("e,k,norm", [(128, 8, True), (60, 8, False), (16, 3, True), (8, 8, True)])
+def test_the_packed_top_k_picks_and_weighs_as_the_two_pass_top_k(monkeypatch, e, k, norm):
+    """PACKED_TOPK: one pass of k max-reductions over (probability bits, id) keys gives the
+    two-pass kernel's ids and weights bit for bit — ties to the lower id (repeated logits),
+    rows past a program's tile masked, with and without the renormalization."""
+    g = gen(23)
+    t = 7
+    logits = torch.randn(t, e, generator=g)
+    logits[:, 1::3] = logits[:, :1]  # ties with expert 0
+    logits[2] = 0.0  # a row of ties only
+    want_ids, want_w = torch.full((t, k), -5, dtype=torch.int32), nan(t, k)
+    kw = dict(TOPK=k, NORM=norm, BM=4, E_PAD=max(16, 1 << (e - 1).bit_length()), PDL=False)
+    triton_moe_route._topk_kernel[(2,)](logits, want_ids, want_w, t, e, e, **kw)
+    got_ids, got_w = torch.full((t, k), -5, dtype=torch.int32), nan(t, k)
+    triton_moe_route._topk_kernel[(2,)](logits, got_ids, got_w, t, e, e, PACKED=True, **kw)
+    assert torch.equal(got_ids, want_ids) and torch.equal(got_w, want_w)
+    ref = torch.sort(-torch.softmax(logits.double(), -1), dim=-1, stable=True).indices[:, :k]
+    assert torch.equal(got_ids.long(), ref)  # (stable: equal probabilities, the lower id first)
+    assert torch.equal(got_ids[2].long(), torch.arange(k))
+
+
 @pytest.mark.parametrize("fmt,hidden,inter", [("f32", 64, 32), ("q4", 64, 32), ("q4", 256, 256)])
 def test_moe_matches_float64_reference(fmt, hidden, inter):
     """(q4, 256, 256): gate_up and down both split K in four."""
