@@ -94,6 +94,9 @@ def apply(mode: str) -> None:
     if re.search(r'hsplit[0-9]+', mode):  # a kv head's query heads dealt over programs (same bits)
         from kernels import triton_attention
         triton_attention.HEAD_SPLIT_PROGRAMS = int(re.search(r'hsplit([0-9]+)', mode).group(1))
+    if 'early' in mode:  # inputs older than the predecessor's loaded before the PDL wait
+        from kernels import triton_pdl
+        triton_pdl.EARLY_INPUTS = True
     if 'topkpack' in mode:  # the top-k in one pass of packed max-reductions (the same bits)
         from kernels import triton_moe_route
         triton_moe_route.PACKED_TOPK = True

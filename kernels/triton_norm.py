@@ -20,14 +20,18 @@ ROPE_HEADS = 8  # query heads a qkv_rope_store program norms and rotates (a head
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, K, stride_x, stride_y, eps, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr):
-    pdl_wait(PDL)
+                     PDL: tl.constexpr, EARLY: tl.constexpr = False):
+    """EARLY: the weight (no kernel writes it) loaded before the wait (triton_pdl.EARLY_INPUTS)."""
     row = tl.program_id(0).to(tl.int64)
     k = tl.arange(0, BLOCK)
     mask = k < K
+    if EARLY:
+        w = tl.load(w_ptr + k, mask=mask, other=0.0)
+    pdl_wait(PDL)
     x = tl.load(x_ptr + row * stride_x + k, mask=mask, other=0.0)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
-    w = tl.load(w_ptr + k, mask=mask, other=0.0)
+    if not EARLY:
+        w = tl.load(w_ptr + k, mask=mask, other=0.0)
     tl.store(y_ptr + row * stride_y + k, x * inv * w, mask=mask)
 
 
@@ -49,7 +53,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, k, rows.stride(0), k, eps,
                                            BLOCK=triton.next_power_of_2(k),
-                                           num_warps=4 if k <= 4096 else 8, **triton_pdl.launch(x))
+                                           num_warps=4 if k <= 4096 else 8,
+                                           EARLY=triton_pdl.early(x), **triton_pdl.launch(x))
     return out
 
 
@@ -120,15 +125,29 @@ def softmax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
 
 
 @triton.jit
-def _norm_rope(a, b, w_ptr, ca, cb, sa, sb, eps, D: tl.constexpr, HAS_NORM: tl.constexpr):
-    """Heads [R, D/2] (first halves a, second halves b): each normed over its D (HAS_NORM),
-    then rotate-half RoPE by the token's cos/sin halves [D/2]."""
-    half = tl.arange(0, D // 2)
+def _norm_rope(a, b, wa, wb, ca, cb, sa, sb, eps, D: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Heads [R, D/2] (first halves a, second halves b): each normed over its D (HAS_NORM;
+    the norm weight's halves wa, wb), then rotate-half RoPE by the token's cos/sin halves
+    [D/2]."""
     if HAS_NORM:
         inv = 1.0 / tl.sqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / D + eps)
-        a = a * inv[:, None] * tl.load(w_ptr + half)[None, :]
-        b = b * inv[:, None] * tl.load(w_ptr + D // 2 + half)[None, :]
+        a = a * inv[:, None] * wa[None, :]
+        b = b * inv[:, None] * wb[None, :]
     return a * ca[None, :] - b * sa[None, :], b * cb[None, :] + a * sb[None, :]
+
+
+@triton.jit
+def _rope_inputs(pos_ptr, cos_ptr, sin_ptr, w_ptr, slot_ptr, t, stride_cs, D: tl.constexpr):
+    """What a qkv_rope_store program reads that the qkv GEMM before it does not write: the
+    token's cos / sin halves at its position, its norm weight's halves (w_ptr: q's or k's) and
+    its slot."""
+    half = tl.arange(0, D // 2)
+    p = tl.load(pos_ptr + t)
+    ca = tl.load(cos_ptr + p * stride_cs + half)
+    cb = tl.load(cos_ptr + p * stride_cs + D // 2 + half)
+    sa = tl.load(sin_ptr + p * stride_cs + half)
+    sb = tl.load(sin_ptr + p * stride_cs + D // 2 + half)
+    return ca, cb, sa, sb, tl.load(w_ptr + half), tl.load(w_ptr + D // 2 + half), tl.load(slot_ptr + t)
 
 
 @triton.jit
@@ -136,41 +155,44 @@ def _qkv_rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, s
                            q_ptr, kc_ptr, vc_ptr, stride_qkv, stride_cs, eps,
                            H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
                            HG: tl.constexpr, KVH_PAD: tl.constexpr, HAS_NORM: tl.constexpr,
-                           PDL: tl.constexpr):
+                           PDL: tl.constexpr, EARLY: tl.constexpr = False):
     """Program (token, g): query heads g*HG .. g*HG + HG - 1 (→ q), or, for the last g, the
     token's KVH key heads (→ k cache) and its value heads (→ v cache). Each head is normed over
     D and rotated alone (a [heads, D/2] tile, one row a head), so its bits do not depend on
     which heads share its program. A program per head was 147K one-warp programs for a
-    4,096-token step (194 µs a layer on the H200); this is 5 a token."""
-    pdl_wait(PDL)
+    4,096-token step (194 µs a layer on the H200); this is 5 a token. EARLY: the inputs the
+    qkv GEMM does not write (`_rope_inputs`) loaded before the wait (triton_pdl.EARLY_INPUTS)."""
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     half = tl.arange(0, D // 2)
-    p = tl.load(pos_ptr + t)
-    ca = tl.load(cos_ptr + p * stride_cs + half)
-    cb = tl.load(cos_ptr + p * stride_cs + D // 2 + half)
-    sa = tl.load(sin_ptr + p * stride_cs + half)
-    sb = tl.load(sin_ptr + p * stride_cs + D // 2 + half)
+    is_q = g * HG < H
+    w_ptr = tl.where(is_q, qn_ptr, kn_ptr)
+    if EARLY:
+        ca, cb, sa, sb, wa, wb, slot = _rope_inputs(pos_ptr, cos_ptr, sin_ptr, w_ptr, slot_ptr, t,
+                                                    stride_cs, D)
+    pdl_wait(PDL)
+    if not EARLY:
+        ca, cb, sa, sb, wa, wb, slot = _rope_inputs(pos_ptr, cos_ptr, sin_ptr, w_ptr, slot_ptr, t,
+                                                    stride_cs, D)
     base = qkv_ptr + t * stride_qkv
-    if g * HG < H:
+    if is_q:
         hh = g * HG + tl.arange(0, HG)
         live = (hh < H)[:, None]
         src = base + hh[:, None] * D + half[None, :]
         a = tl.load(src, mask=live, other=0.0)
         b = tl.load(src + D // 2, mask=live, other=0.0)
-        ra, rb = _norm_rope(a, b, qn_ptr, ca, cb, sa, sb, eps, D, HAS_NORM)
+        ra, rb = _norm_rope(a, b, wa, wb, ca, cb, sa, sb, eps, D, HAS_NORM)
         out = q_ptr + (t * H + hh)[:, None] * D + half[None, :]
         tl.store(out, ra, mask=live)
         tl.store(out + D // 2, rb, mask=live)
     else:
-        slot = tl.load(slot_ptr + t)
         if slot >= 0:  # padding tokens (slot -1) write nothing
             j = tl.arange(0, KVH_PAD)
             live = (j < KVH)[:, None]
             src = base + (H + j)[:, None] * D + half[None, :]
             a = tl.load(src, mask=live, other=0.0)
             b = tl.load(src + D // 2, mask=live, other=0.0)
-            ra, rb = _norm_rope(a, b, kn_ptr, ca, cb, sa, sb, eps, D, HAS_NORM)
+            ra, rb = _norm_rope(a, b, wa, wb, ca, cb, sa, sb, eps, D, HAS_NORM)
             dst = (slot * KVH + j)[:, None] * D + half[None, :]
             kv_ty = kc_ptr.dtype.element_ty  # float32 or bfloat16 (rounded to nearest)
             tl.store(kc_ptr + dst, ra.to(kv_ty), mask=live)
@@ -215,7 +237,8 @@ def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
         _qkv_rope_store_kernel[(t, triton.cdiv(h, ROPE_HEADS) + 1)](
             qkv, positions, cos, sin, qn, kn, slots, q_out, k_cache, v_cache, qkv.stride(0),
             cos.stride(0), eps, H=h, KVH=kvh, D=d, HG=ROPE_HEADS, KVH_PAD=triton.next_power_of_2(kvh),
-            HAS_NORM=q_norm is not None, num_warps=1, **triton_pdl.launch(qkv))
+            HAS_NORM=q_norm is not None, num_warps=1, EARLY=triton_pdl.early(qkv),
+            **triton_pdl.launch(qkv))
     return q_out
 
 

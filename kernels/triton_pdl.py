@@ -42,10 +42,26 @@ def _hopper_or_later(index: int | None) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+# Kernels that read inputs written two or more kernels back (the step's positions and slots,
+# the top-k weights, the residual stream) and constants (norm weights, RoPE tables) load them
+# before `pdl_wait` — only the predecessor may still be running then (the look-ahead is one
+# kernel), so those inputs are final — and what the predecessor wrote after it: the same
+# loads, so the same bits, with their latency under the predecessor's tail. Used by the
+# RMSNorm (its weight), the q/k norm + RoPE + KV store (positions, slots, tables, weights) and
+# the MoE combine (the top-k weights, the residual). False: everything after the wait
+# (unmeasured; bench/ab_modes.py `early`)
+EARLY_INPUTS = False
+
+
 def launch(t: torch.Tensor) -> dict:
     """The launch options and the PDL constexpr for a kernel working on t's device."""
     on = pdl(t)
     return dict(PDL=on, launch_pdl=on)
+
+
+def early(t: torch.Tensor) -> bool:
+    """EARLY for the kernels that take it: older inputs before the wait (EARLY_INPUTS, PDL)."""
+    return EARLY_INPUTS and pdl(t)
 
 
 @triton.jit

@@ -68,12 +68,13 @@ def test_the_expert_cuda_modes_set_their_knobs_and_leave_the_linear_alone(mode, 
                         "triton_linear.CUDA_MAX_ROWS") == want.split()
 
 
-@pytest.mark.parametrize("mode,want", [("pdl", "128 4 2 False False"),
-                                       ("pdl_attnbn64_attn8_3_attnmerge_topkpack", "64 8 3 True True")])
-def test_the_key_tile_merge_and_top_k_modes_set_their_kernels(mode, want):
+@pytest.mark.parametrize("mode,want", [("pdl", "128 4 2 False False False"),
+                                       ("pdl_attnbn64_attn8_3_attnmerge_topkpack_early",
+                                        "64 8 3 True True True")])
+def test_the_key_tile_merge_top_k_and_early_modes_set_their_knobs(mode, want):
     assert _knobs(mode, "triton_attention.BLOCK_N_BF16, triton_attention.WARPS, "
                         "triton_attention.STAGES, triton_attention.FUSED_MERGE, "
-                        "triton_moe_route.PACKED_TOPK") == want.split()
+                        "triton_moe_route.PACKED_TOPK, triton_pdl.EARLY_INPUTS") == want.split()
 
 
 @pytest.mark.parametrize("mode,want", [("pdl", "1"), ("pdl_cudarouter", "1"),

@@ -118,6 +118,18 @@ def test_norms_rope_and_softmax_at_real_shapes():
         assert rel_err(q, rq) < 1e-6
         assert rel_err(kc.view(-1, kvh, d)[slots].float(), rk) < tol
         assert torch.equal(vc.view(-1, kvh, d)[slots], rv.float().to(dtype))  # rounded to nearest
+        # triton_pdl.EARLY_INPUTS (older inputs before the wait): the same bits
+        early = triton_pdl.EARLY_INPUTS
+        try:
+            triton_pdl.EARLY_INPUTS = True
+            kc2, vc2 = nan(256, 16, kvh, d).to(dtype), nan(256, 16, kvh, d).to(dtype)
+            q2 = triton_norm.qkv_rope_store(qkv, pos, cos, sin, qn, kn, 1e-6, slots, kc2, vc2, h,
+                                            nan(t, h, d))
+            y2 = triton_norm.rms_norm(x, w, 1e-6, nan(64, 2048))
+        finally:
+            triton_pdl.EARLY_INPUTS = early
+        assert torch.equal(q2, q) and torch.equal(y2, triton_norm.rms_norm(x, w, 1e-6, nan(64, 2048)))
+        assert torch.equal(kc2.nan_to_num(7.0), kc.nan_to_num(7.0)) and torch.equal(vc2.nan_to_num(7.0), vc.nan_to_num(7.0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

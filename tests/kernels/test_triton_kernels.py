@@ -230,6 +230,31 @@ def test_rms_norm_silu_mul_softmax_match_float64():
     assert rel_err(out, torch.softmax(logits.double(), -1)) < 1e-6
 
 
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_early_inputs_change_no_output_of_the_norm_and_rope_kernels(monkeypatch, qk_norm):
+    """triton_pdl.EARLY_INPUTS moves loads before the PDL wait and nothing else: the RMSNorm
+    and the q/k norm + RoPE + KV store give the same bits with and without it (the interpreter
+    runs the EARLY code path; the wait itself is compiled away there)."""
+    from kernels import triton_pdl
+
+    g = gen(19)
+    h, kvh, t, d, nb, bs = 9, 3, 3, 16, 4, 4
+    qkv = torch.randn(t, (h + 2 * kvh) * d, generator=g)
+    positions = torch.tensor([0, 5, 9])
+    ang = torch.randn(12, d, generator=g)
+    qn, kn = (torch.randn(d, generator=g), torch.randn(d, generator=g)) if qk_norm else (None, None)
+    x, w = torch.randn(5, 96, generator=g), torch.randn(96, generator=g)
+    outs = []
+    for early in (False, True):
+        monkeypatch.setattr(triton_pdl, "early", lambda _t, on=early: on)
+        kc, vc = nan(nb, bs, kvh, d), nan(nb, bs, kvh, d)
+        q = triton_norm.qkv_rope_store(qkv, positions, ang.cos(), ang.sin(), qn, kn, 1e-6,
+                                       torch.tensor([3, 9, -1]), kc, vc, h, nan(t, h, d))
+        outs.append((q, kc, vc, triton_norm.rms_norm(x, w, 1e-6, nan(5, 96))))
+    for a, b in zip(*outs):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+
+
 @pytest.mark.parametrize("qk_norm,kv_dtype,h,kvh", [(True, torch.float32, 4, 2),
                                                     (False, torch.float32, 4, 2),
                                                     (True, torch.bfloat16, 4, 2),

@@ -63,3 +63,32 @@ def test_the_direct_down_kernel_prefetches_its_weights_before_the_wait():
     counts = {tuple(line.split()[:2]): int(line.split()[2]) for line in out.stdout.splitlines()}
     assert counts[("gate_up", "False")] == counts[("gate_up", "True")] == 0, out.stdout
     assert counts[("down", "False")] == 0 and counts[("down", "True")] > 0, out.stdout
+
+
+def test_early_inputs_are_loaded_before_the_pdl_wait():
+    """triton_pdl.EARLY_INPUTS, compiled for sm_90: the RMSNorm's weight and the RoPE kernel's
+    position, tables, norm weight and slot load before griddepcontrol.wait, the activations
+    after; without it every load follows the wait."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("from bench.sass_report import _compile\n"
+            "from kernels import triton_norm as n\n"
+            "for early in (False, True):\n"
+            "    a = _compile(n._rms_norm_kernel, dict(BLOCK=2048, PDL=True, EARLY=early), {}, "
+            "{'eps': 'fp32'}, set(), 90, num_warps=4, launch_pdl=True).asm['ptx']\n"
+            "    b = _compile(n._qkv_rope_store_kernel, dict(H=32, KVH=4, D=128, HG=8, KVH_PAD=4, "
+            "HAS_NORM=True, PDL=True, EARLY=early), {'pos_ptr': '*i64', 'slot_ptr': '*i64', "
+            "'kc_ptr': '*bf16', 'vc_ptr': '*bf16'}, {'eps': 'fp32'}, set(), 90, num_warps=1, "
+            "launch_pdl=True).asm['ptx']\n"
+            "    for name, ptx in (('norm', a), ('rope', b)):\n"
+            "        w = ptx.index('griddepcontrol.wait')\n"
+            "        print(name, early, ptx[:w].count('ld.global'), ptx[w:].count('ld.global'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    counts = {tuple(line.split()[:2]): tuple(map(int, line.split()[2:])) for line in out.stdout.splitlines()}
+    for name in ("norm", "rope"):
+        assert counts[(name, "False")][0] == 0, out.stdout  # nothing before the wait
+        before, after = counts[(name, "True")]
+        assert before > 0 and after > 0, out.stdout  # older inputs before, activations after
+    assert counts[("rope", "True")][0] >= 6, out.stdout  # position, 4 table halves, weight, slot
+
