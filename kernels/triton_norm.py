@@ -137,17 +137,24 @@ def _norm_rope(a, b, wa, wb, ca, cb, sa, sb, eps, D: tl.constexpr, HAS_NORM: tl.
 
 
 @triton.jit
-def _rope_inputs(pos_ptr, cos_ptr, sin_ptr, w_ptr, slot_ptr, t, stride_cs, D: tl.constexpr):
+def _rope_inputs(pos_ptr, cos_ptr, sin_ptr, w_ptr, slot_ptr, t, stride_cs, D: tl.constexpr,
+                 HAS_NORM: tl.constexpr):
     """What a qkv_rope_store program reads that the qkv GEMM before it does not write: the
-    token's cos / sin halves at its position, its norm weight's halves (w_ptr: q's or k's) and
-    its slot."""
+    token's cos / sin halves at its position, its norm weight's halves (w_ptr: q's or k's;
+    zeros without a norm) and its slot."""
     half = tl.arange(0, D // 2)
     p = tl.load(pos_ptr + t)
     ca = tl.load(cos_ptr + p * stride_cs + half)
     cb = tl.load(cos_ptr + p * stride_cs + D // 2 + half)
     sa = tl.load(sin_ptr + p * stride_cs + half)
     sb = tl.load(sin_ptr + p * stride_cs + D // 2 + half)
-    return ca, cb, sa, sb, tl.load(w_ptr + half), tl.load(w_ptr + D // 2 + half), tl.load(slot_ptr + t)
+    if HAS_NORM:
+        wa = tl.load(w_ptr + half)
+        wb = tl.load(w_ptr + D // 2 + half)
+    else:
+        wa = tl.zeros((D // 2,), tl.float32)
+        wb = wa
+    return ca, cb, sa, sb, wa, wb, tl.load(slot_ptr + t)
 
 
 @triton.jit
@@ -169,11 +176,11 @@ def _qkv_rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, s
     w_ptr = tl.where(is_q, qn_ptr, kn_ptr)
     if EARLY:
         ca, cb, sa, sb, wa, wb, slot = _rope_inputs(pos_ptr, cos_ptr, sin_ptr, w_ptr, slot_ptr, t,
-                                                    stride_cs, D)
+                                                    stride_cs, D, HAS_NORM)
     pdl_wait(PDL)
     if not EARLY:
         ca, cb, sa, sb, wa, wb, slot = _rope_inputs(pos_ptr, cos_ptr, sin_ptr, w_ptr, slot_ptr, t,
-                                                    stride_cs, D)
+                                                    stride_cs, D, HAS_NORM)
     base = qkv_ptr + t * stride_qkv
     if is_q:
         hh = g * HG + tl.arange(0, HG)
