@@ -94,6 +94,9 @@ def apply(mode: str) -> None:
     if re.search(r'hsplit[0-9]+', mode):  # a kv head's query heads dealt over programs (same bits)
         from kernels import triton_attention
         triton_attention.HEAD_SPLIT_PROGRAMS = int(re.search(r'hsplit([0-9]+)', mode).group(1))
+    if 'eidsfirst' in mode:  # the one-token down reads its ids and first weights before the wait
+        from kernels import cuda_q4
+        cuda_q4.EXPERT_EARLY = True
     if 'early' in mode:  # inputs older than the predecessor's loaded before the PDL wait
         from kernels import triton_pdl
         triton_pdl.EARLY_INPUTS = True

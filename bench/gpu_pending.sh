@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The next session's first device call (kernels/GPU_NOTES.md, "Left undone" item 0), printing
-# as it goes; every step has its own timeout so a hang costs that step only. Three things built
-# are unmeasured as of v20: the paged attention's merge fused into its split programs (ab mode
+# as it goes; every step has its own timeout so a hang costs that step only. Built and
+# unmeasured as of v20: the paged attention's merge fused into its split programs (ab mode
 # attnmerge), the one-pass top-k (topkpack) and older inputs loaded before the PDL wait
-# (early); their bits are in the GPU tests below (paged_attention_at_real, moe_at_real...
-# packed_top_k, norms_rope), and they run beside the defaults unless MODES says otherwise.
-# This call re-checks the bits on whatever machine comes, takes the defaults' baseline there
-# (compare new variants only against numbers from the same call), the kernel profile at 1 and
-# 64 streams, and Nsight Compute over the one-token kernels (what holds gate_up at 48% of
-# copy: v20). Update it when the list changes.
+# (early; eidsfirst: the one-token down's expert ids and first weights). Their bits are in the
+# GPU tests below (paged_attention_at_real, moe_at_real...packed_top_k, norms_rope;
+# test_cuda_q4's direct experts), and they run beside the defaults unless MODES says
+# otherwise. This call re-checks the bits on whatever machine comes, takes the defaults'
+# baseline there (compare new variants only against numbers from the same call), Nsight
+# Compute over the one-token kernels (what holds gate_up at 48% of copy: v20) and the kernel
+# profile at 1 and 64 streams. Update it when the list changes.
 # Usage (on the GPU machine, repo root):   OUT=/some/dir bash bench/gpu_pending.sh
 # (MODES= names ab modes to run beside the defaults, default the fused merge alone and with
 # 256-key splits — with no merge kernel a shorter split may no longer lose at 64 streams, v16 —
@@ -26,7 +27,7 @@ timeout 150 python -m pytest -q -n 0 tests/kernels/test_gpu.py -k "moe_at_real o
 
 # the defaults (pdl), then any MODES beside them, at the contexts and stream counts of the targets
 KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=${TAIL:-5} T_ENGINE=${T_ENGINE:-150} \
-  ENGINE_MODES="pdl ${MODES-pdl_attnmerge pdl_attnmerge_attnsplit256 pdl_topkpack pdl_early}" CONTEXT=128,2048 STREAMS=1,8,64 TAG=_base \
+  ENGINE_MODES="pdl ${MODES-pdl_attnmerge pdl_attnmerge_attnsplit256 pdl_topkpack pdl_early_eidsfirst}" CONTEXT=128,2048 STREAMS=1,8,64 TAG=_base \
   bash bench/gpu_ab.sh 2>&1 | grep -v "^context\|^KV pool"
 
 stamp "Nsight Compute: the one-token kernels (gate_up, down, qkv, o, the router)"

@@ -654,7 +654,7 @@ __device__ __forceinline__ void q4_expert_cta(const void* __restrict__ xv, const
                                               const unsigned char* __restrict__ qs,
                                               const unsigned* __restrict__ sm, void* __restrict__ outv,
                                               int N, int K, int stride_x, int stride_out, int S,
-                                              int topk) {
+                                              int topk, int early) {
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int C = 8 * NT;
   float* part = reinterpret_cast<float*>(smem);  // [S][C]: row 0 of each split's partial
@@ -664,7 +664,10 @@ __device__ __forceinline__ void q4_expert_cta(const void* __restrict__ xv, const
   int k_lo, k_hi, word;
   unsigned sel;
   split_k(K, S, sp, k_lo, k_hi);
-  pdl_wait();  // ids: the top-k's (gate_up)
+  // ids: the top-k's — gate_up's predecessor, so after the wait; down (early: EXPERT_EARLY) reads
+  // them before it, two kernels on (final then: only the predecessor may still run), and its
+  // ring's first weight loads go out before the wait too (ring_acc waits after them)
+  if (!early) pdl_wait();
   const long e = ids[a];
   const unsigned char* qe = qs + e * per_expert * 16;
   const unsigned* se = sm + e * per_expert;
@@ -707,8 +710,9 @@ __device__ __forceinline__ void q4_expert_cta(const void* __restrict__ xv, const
 #define Q4_EXPERT(KIND, GU, NT, D) extern "C" __global__ void __launch_bounds__(256, 1) \
     q4_e##KIND##NT##_d##D(const void* x, const int* ids, const unsigned char* qs, \
                           const unsigned* sm, void* out, int N, int K, int stride_x, \
-                          int stride_out, int S, int topk) { \
-    q4_expert_cta<NT, D, GU>(x, ids, qs, sm, out, N, K, stride_x, stride_out, S, topk); }
+                          int stride_out, int S, int topk, int early) { \
+    q4_expert_cta<NT, D, GU>(x, ids, qs, sm, out, N, K, stride_x, stride_out, S, topk, \
+                             GU ? 0 : early); }
 #define Q4_EXPERTS(KIND, GU) Q4_EXPERT(KIND, GU, 1, 2) Q4_EXPERT(KIND, GU, 1, 4) \
     Q4_EXPERT(KIND, GU, 1, 8) Q4_EXPERT(KIND, GU, 2, 2) Q4_EXPERT(KIND, GU, 2, 4) \
     Q4_EXPERT(KIND, GU, 2, 8) Q4_EXPERT(KIND, GU, 4, 2) Q4_EXPERT(KIND, GU, 4, 4)
@@ -874,6 +878,11 @@ SWAP_MT = 2  # the swapped form: m16 feature tiles a warp
 SWAP_WARPS = 4  # ... and warps a CTA
 EXPERT_COLS = 16  # the direct experts' CTA form: columns a warp
 EXPERT_DEPTH = 4  # ... and blocks in flight (register ring slots; fewer where a split needs)
+# down reads its expert ids (the top-k's, two kernels back) and issues its ring's first weight
+# loads before the PDL wait, as the linear's CTA form does its weights: the expert id and the
+# first blocks' DRAM round trips under gate_up's tail; the same loads, so the same bits. False:
+# after the wait (unmeasured; bench/ab_modes.py `eidsfirst`)
+EXPERT_EARLY = False
 _BIG_SMEM: set = set()  # kernels given more than 48 KB of dynamic shared memory
 _TICKETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Q4Linear → {key: tickets}
 
@@ -1098,7 +1107,7 @@ def experts_direct(x: torch.Tensor, ids: torch.Tensor, experts, inter: torch.Ten
             d //= 2
         _launch(cuda, fns[f"q4_e{kind}{cols // 8}_d{d}".encode()], (n // cols, t * top_k, 1),
                 32 * split, split * cols * 4, (src, ids, w, s.view(torch.int32), dst),
-                (n, k, src.stride(0), dst.stride(0), split, top_k))
+                (n, k, src.stride(0), dst.stride(0), split, top_k, int(EXPERT_EARLY)))
 
 
 def _check(x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None) -> None:

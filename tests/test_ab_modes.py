@@ -61,11 +61,13 @@ def test_the_split_modes_set_the_programs_and_the_split_cap(mode, want):
     assert _knobs(mode, "q4_layout.MAX_PROGRAMS, q4_layout.MAX_SPLIT") == want.split()
 
 
-@pytest.mark.parametrize("mode,want", [("pdl", "1 16 4 8"), ("pdl_ecuda0", "0 16 4 8"),
-                                       ("pdl_ecuda4_ecols32_edepth2", "4 32 2 8")])
+@pytest.mark.parametrize("mode,want", [("pdl", "1 16 4 8 False False"),
+                                       ("pdl_ecuda0", "0 16 4 8 False False"),
+                                       ("pdl_ecuda4_ecols32_edepth2_eidsfirst", "4 32 2 8 True False")])
 def test_the_expert_cuda_modes_set_their_knobs_and_leave_the_linear_alone(mode, want):
     assert _knobs(mode, "triton_moe.CUDA_MAX_TOKENS, cuda_q4.EXPERT_COLS, cuda_q4.EXPERT_DEPTH, "
-                        "triton_linear.CUDA_MAX_ROWS") == want.split()
+                        "triton_linear.CUDA_MAX_ROWS, cuda_q4.EXPERT_EARLY, "
+                        "triton_pdl.EARLY_INPUTS") == want.split()
 
 
 @pytest.mark.parametrize("mode,want", [("pdl", "128 4 2 False False False"),

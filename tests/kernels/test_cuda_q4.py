@@ -287,7 +287,8 @@ def test_the_direct_experts_in_the_cta_form_give_the_split_programs_bits(monkeyp
                                                                           experts):
     """cuda_q4.experts_direct (triton_moe.CUDA_MAX_TOKENS): inter (SiLU·up in fp16, through
     Triton's own PTX for it) and y equal to the direct split programs' at 1-8 tokens, at
-    several columns a warp and ring depths, split counts 4-8."""
+    several columns a warp and ring depths, split counts 4-8, and with down's ids read before
+    its PDL wait (EXPERT_EARLY)."""
     from bench.kernel_bench import rand_q4
     from kernels import moe_layout, triton_moe
 
@@ -304,9 +305,11 @@ def test_the_direct_experts_in_the_cta_form_give_the_split_programs_bits(monkeyp
         triton_moe.experts_forward(x, ids, st, want_i, want_y)
         assert not want_y.isnan().any()
         monkeypatch.setattr(triton_moe, "CUDA_MAX_TOKENS", 8)
-        for cols, depth in ((16, 4), (8, 8), (32, 4), (16, 2)):
+        for cols, depth, early in ((16, 4, False), (8, 8, False), (32, 4, False), (16, 2, False),
+                                   (16, 4, True)):
             monkeypatch.setattr(cuda_q4, "EXPERT_COLS", cols)
             monkeypatch.setattr(cuda_q4, "EXPERT_DEPTH", depth)
+            monkeypatch.setattr(cuda_q4, "EXPERT_EARLY", early)  # down's ids before the wait
             monkeypatch.setattr(cuda_q4, "PDL", depth == 4)  # the launch: no bit
             got_i = torch.full_like(want_i, float("nan"))
             got_y = torch.full_like(want_y, float("nan"))
