@@ -13,20 +13,27 @@ import pytest
 pytest.importorskip("triton")
 
 
+def _compiled(args: list[str]) -> str:
+    """stdout of `python args` in a process of its own that compiles for sm_90 (not in the
+    interpreter this directory's other tests run in)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
 def test_sass_report_counts_the_k_loop_of_the_engine_tile():
     """The engine's q4 tile compiles for sm_90 with the raw bytes loaded straight into the MMA
     operand layout: no shared-memory stores in the K loop, and a few instructions per weight
     (the v5 loop took 9.7; this one about 3)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-m", "bench.sass_report", "16x64x64w1s3"],
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr
-    loops = re.findall(r"K loop (\d+) = ([\d.]+) per weight", out.stdout)
-    assert len(loops) == 1, out.stdout
+    out = _compiled(["-m", "bench.sass_report", "16x64x64w1s3"])
+    loops = re.findall(r"K loop (\d+) = ([\d.]+) per weight", out)
+    assert len(loops) == 1, out
     n, per_weight = int(loops[0][0]), float(loops[0][1])
-    assert 100 < n < 5000 and 1.0 < per_weight < 5.0, out.stdout
-    assert "HMMA" in out.stdout and "LDGSTS" in out.stdout
-    assert re.search(r"(?<![A-Z.])STS \d", out.stdout) is None, out.stdout
+    assert 100 < n < 5000 and 1.0 < per_weight < 5.0, out
+    assert "HMMA" in out and "LDGSTS" in out
+    assert re.search(r"(?<![A-Z.])STS \d", out) is None, out
 
 
 def test_paged_attention_streams_its_key_tiles_through_the_pipeline():
@@ -34,42 +41,34 @@ def test_paged_attention_streams_its_key_tiles_through_the_pipeline():
     memory); the hand-prefetched form (tiles in registers) ran at 0.7-0.8x the bandwidth on the
     H200 (GPU_NOTES v9). 128-key tiles on 4 warps take 192 registers a thread (64-key tiles on
     8: ~80; v20), within the 255 a thread may hold."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-m", "bench.sass_report", "--attention"],
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr
+    out = _compiled(["-m", "bench.sass_report", "--attention"])
     m = re.search(r"paged attention \(bf16 KV\): kernel (\d+) instructions, (\d+) LDGSTS, "
-                  r"(\d+) registers", out.stdout)
-    assert m, out.stdout
+                  r"(\d+) registers", out)
+    assert m, out
     instr, ldgsts, regs = (int(v) for v in m.groups())
-    assert 200 < instr < 5000 and ldgsts > 0 and regs <= 224, out.stdout
-
+    assert 200 < instr < 5000 and ldgsts > 0 and regs <= 224, out
 
 
 def test_the_direct_down_kernel_prefetches_its_weights_before_the_wait():
     """Up to DIRECT_MAX_TOKENS tokens the down kernel prefetches its weights into L2 before
     waiting on gate_up (CCTL.E.PF2 in the SASS); gate_up and the grouped seq kernels
     do not."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("from bench import sass_report as sr\n"
             "from kernels import moe_layout\n"
             "for kind in ('gate_up', 'down'):\n"
             "    for direct in (False, True):\n"
             "        k = sr.compile_expert(kind, moe_layout.Q4_EXPERT_TILE, None, direct=direct)\n"
             "        print(kind, direct, sr.sass(k.asm['cubin']).count('CCTL.E.PF2'))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    counts = {tuple(line.split()[:2]): int(line.split()[2]) for line in out.stdout.splitlines()}
-    assert counts[("gate_up", "False")] == counts[("gate_up", "True")] == 0, out.stdout
-    assert counts[("down", "False")] == 0 and counts[("down", "True")] > 0, out.stdout
+    out = _compiled(["-c", code])
+    counts = {tuple(line.split()[:2]): int(line.split()[2]) for line in out.splitlines()}
+    assert counts[("gate_up", "False")] == counts[("gate_up", "True")] == 0, out
+    assert counts[("down", "False")] == 0 and counts[("down", "True")] > 0, out
 
 
 def test_early_inputs_are_loaded_before_the_pdl_wait():
     """triton_pdl.EARLY_INPUTS, compiled for sm_90: the RMSNorm's weight and the RoPE kernel's
     position, tables, norm weight and slot load before griddepcontrol.wait, the activations
     after; without it every load follows the wait."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("from bench.sass_report import _compile\n"
             "from kernels import triton_norm as n\n"
             "for early in (False, True):\n"
@@ -82,13 +81,11 @@ def test_early_inputs_are_loaded_before_the_pdl_wait():
             "    for name, ptx in (('norm', a), ('rope', b)):\n"
             "        w = ptx.index('griddepcontrol.wait')\n"
             "        print(name, early, ptx[:w].count('ld.global'), ptx[w:].count('ld.global'))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    counts = {tuple(line.split()[:2]): tuple(map(int, line.split()[2:])) for line in out.stdout.splitlines()}
+    out = _compiled(["-c", code])
+    counts = {tuple(line.split()[:2]): tuple(map(int, line.split()[2:])) for line in out.splitlines()}
     for name in ("norm", "rope"):
-        assert counts[(name, "False")][0] == 0, out.stdout  # nothing before the wait
+        assert counts[(name, "False")][0] == 0, out  # nothing before the wait
         before, after = counts[(name, "True")]
-        assert before > 0 and after > 0, out.stdout  # older inputs before, activations after
-    assert counts[("rope", "True")][0] >= 6, out.stdout  # position, 4 table halves, weight, slot
+        assert before > 0 and after > 0, out  # older inputs before, activations after
+    assert counts[("rope", "True")][0] >= 6, out  # position, 4 table halves, weight, slot
 
