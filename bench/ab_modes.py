@@ -94,18 +94,15 @@ def apply(mode: str) -> None:
     if re.search(r'hsplit[0-9]+', mode):  # a kv head's query heads dealt over programs (same bits)
         from kernels import triton_attention
         triton_attention.HEAD_SPLIT_PROGRAMS = int(re.search(r'hsplit([0-9]+)', mode).group(1))
-    if 'eidsfirst' in mode:  # the one-token down reads its ids and first weights before the wait
-        from kernels import cuda_q4
-        cuda_q4.EXPERT_EARLY = True
-    if 'early' in mode:  # inputs older than the predecessor's loaded before the PDL wait
-        from kernels import triton_pdl
-        triton_pdl.EARLY_INPUTS = True
-    if 'topkpack' in mode:  # the top-k in one pass of packed max-reductions (the same bits)
-        from kernels import triton_moe_route
-        triton_moe_route.PACKED_TOPK = True
-    if 'attnmerge' in mode:  # the paged attention's split merge by the last split program
-        from kernels import triton_attention
-        triton_attention.FUSED_MERGE = True
+    if 'eidsfirst' in mode:  # the one-token down reads its ids and first weights before the
+        from kernels import cuda_q4  # wait (the default since v21; noeidsfirst: after it)
+        cuda_q4.EXPERT_EARLY = 'noeidsfirst' not in mode
+    if 'early' in mode:  # inputs older than the predecessor's loaded before the PDL wait (the
+        from kernels import triton_pdl  # default since v21; noearly: after it)
+        triton_pdl.EARLY_INPUTS = 'noearly' not in mode
+    if re.search(r'eprog[0-9]+', mode):  # the experts' K splits counted for N programs (128)
+        from kernels import moe_layout
+        moe_layout.EXPERT_PROGRAMS = int(re.search(r'eprog([0-9]+)', mode).group(1))
     if re.search(r'attnbn[0-9]+', mode):  # keys a tile of the bf16 paged attention (128; other bits)
         from kernels import triton_attention
         triton_attention.BLOCK_N_BF16 = int(re.search(r'attnbn([0-9]+)', mode).group(1))

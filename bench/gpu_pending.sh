@@ -27,7 +27,7 @@ timeout 150 python -m pytest -q -n 0 tests/kernels/test_gpu.py -k "moe_at_real o
 
 # the defaults (pdl), then any MODES beside them, at the contexts and stream counts of the targets
 KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=${TAIL:-5} T_ENGINE=${T_ENGINE:-150} \
-  ENGINE_MODES="pdl ${MODES-pdl_attnmerge pdl_attnmerge_attnsplit256 pdl_topkpack pdl_early_eidsfirst}" CONTEXT=128,2048 STREAMS=1,8,64 TAG=_base \
+  ENGINE_MODES="pdl ${MODES-pdl_early_eidsfirst}" CONTEXT=128,2048 STREAMS=1,8,64 TAG=_base \
   bash bench/gpu_ab.sh 2>&1 | grep -v "^context\|^KV pool"
 
 stamp "Nsight Compute: the one-token kernels (gate_up, down, qkv, o, the router)"

@@ -49,8 +49,9 @@ class StackedExperts:
 
     @classmethod
     def stack(cls, experts: tuple[tuple[Linear, Linear], ...], tile: Q4Tile | None = None,
-              programs: int = EXPERT_PROGRAMS) -> "StackedExperts":
-        tile = tile or Q4_EXPERT_TILE  # (read at the call: bench/ab_modes.py `etile...`)
+              programs: int | None = None) -> "StackedExperts":
+        tile = tile or Q4_EXPERT_TILE  # (read at the call: bench/ab_modes.py `etile...`,
+        programs = EXPERT_PROGRAMS if programs is None else programs  # `eprogN`)
         fmt = experts[0][0].fmt
         if any(x.fmt != fmt for pair in experts for x in pair):
             raise ValueError("experts must share one weight format")

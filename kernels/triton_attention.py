@@ -56,15 +56,6 @@ HEAD_SPLIT_PROGRAMS: int | None = None
 # many programs contend with their loads). None: off (bench/ab_modes.py `nokvpf`; `kvpf`: on
 # at every token count)
 PREFETCH_KV: int | None = 1
-# the merge of a token's splits done by the last of its split programs to finish (a ticket a
-# (token, program row), reset by that program) instead of a second kernel: the merge kernel's
-# arithmetic in its order, so its bits; one launch and one kernel boundary less a layer where
-# contexts pass SPLIT keys. Where the tickets do not cover the launch (or are first needed
-# while a CUDA graph is captured) the merge kernel runs. False: off (unmeasured;
-# bench/ab_modes.py `attnmerge`)
-FUSED_MERGE = False
-MERGE_TICKETS = 1 << 16  # ticket counters a device (token x kv head x head split programs)
-_TICKETS: dict = {}  # device → the fused merge's ticket counters (zero between launches)
 
 
 @triton.jit
@@ -118,16 +109,14 @@ def _dot_f32(a, b, PREC: tl.constexpr, MMA: tl.constexpr):
 
 @triton.jit(do_not_specialize=["stride_bt", "max_splits"])
 def _attn_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, row_ptr, ctx_ptr, out_ptr, pacc_ptr, pml_ptr,
-                       tk_ptr, stride_bt, max_splits, scale,
+                       stride_bt, max_splits, scale,
                        H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, SPLIT: tl.constexpr,
                        BLOCK_N: tl.constexpr, PREC: tl.constexpr, MMA: tl.constexpr,
-                       PDL: tl.constexpr, HS: tl.constexpr = 1, LINES: tl.constexpr = 0,
-                       FUSED: tl.constexpr = False):
+                       PDL: tl.constexpr, HS: tl.constexpr = 1, LINES: tl.constexpr = 0):
     """Program (token, kv head x HS, split): the split's keys for GROUP // HS query heads of
     the kv head (HS > 1: its heads dealt over HS programs; the same bits a head). LINES > 0
-    (PDL only): the split's K / V rows prefetched into L2 before the wait. FUSED: the last of
-    a token's split programs of this program row merges their partials (`_merge_rows`)."""
+    (PDL only): the split's K / V rows prefetched into L2 before the wait."""
     t = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1) // HS
     sp = tl.program_id(2)
@@ -174,34 +163,6 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, row_ptr, ctx_ptr, out_ptr, p
         tl.store(pacc_ptr + part[:, None] * D + d[None, :], acc, mask=g_mask[:, None])
         tl.store(pml_ptr + part * 2, m_i, mask=g_mask)
         tl.store(pml_ptr + part * 2 + 1, l_i, mask=g_mask)
-        if FUSED:
-            ticket = t * (KVH * HS) + tl.program_id(1)
-            tl.debug_barrier()  # every thread's partial is written before the ticket is taken
-            if tl.atomic_add(tk_ptr + ticket, 1, sem="acq_rel") == n_splits - 1:
-                _merge_rows(out_rows, pacc_ptr, pml_ptr, (t * H + heads) * max_splits, d,
-                            g_mask, n_splits, D, GROUP_PAD)
-                tl.atomic_xchg(tk_ptr + ticket, 0)  # for the next launch
-
-
-@triton.jit
-def _merge_rows(out_rows, pacc_ptr, pml_ptr, base, d, g_mask, n_splits, D: tl.constexpr,
-                GROUP_PAD: tl.constexpr):
-    """The merge kernel's sum for the heads of a [GROUP_PAD, D] tile (base: their split-0
-    partial indices): the same per-head arithmetic in the same split order (every operation
-    elementwise over the heads, so the tile changes no bit), partials read from L2."""
-    m = tl.load(pml_ptr + base * 2, mask=g_mask, other=0.0, cache_modifier=".cg")
-    for s in range(1, n_splits):
-        m = tl.maximum(m, tl.load(pml_ptr + (base + s) * 2, mask=g_mask, other=0.0,
-                                  cache_modifier=".cg"))
-    acc = tl.zeros((GROUP_PAD, D), tl.float32)
-    l_sum = tl.zeros((GROUP_PAD,), tl.float32)
-    for s in range(0, n_splits):
-        w = tl.exp(tl.load(pml_ptr + (base + s) * 2, mask=g_mask, other=0.0, cache_modifier=".cg") - m)
-        l_sum = l_sum + tl.load(pml_ptr + (base + s) * 2 + 1, mask=g_mask, other=1.0,
-                                cache_modifier=".cg") * w
-        acc = acc + tl.load(pacc_ptr + (base + s)[:, None] * D + d[None, :], mask=g_mask[:, None],
-                            other=0.0, cache_modifier=".cg") * w[:, None]
-    tl.store(out_rows, acc / l_sum[:, None], mask=g_mask[:, None])
 
 
 @triton.jit(do_not_specialize=["max_splits"])
@@ -227,18 +188,6 @@ def _attn_merge_kernel(ctx_ptr, out_ptr, pacc_ptr, pml_ptr, max_splits,
         l_sum = l_sum + tl.load(pml_ptr + (base + s) * 2 + 1) * w
         acc = acc + tl.load(pacc_ptr + (base + s) * D + d) * w
     tl.store(out_ptr + (t * H + h) * D + d, acc / l_sum)
-
-
-def _tickets(device: torch.device, count: int) -> torch.Tensor | None:
-    """The fused merge's MERGE_TICKETS zeroed counters on `device`, made on the first call
-    outside a CUDA graph capture (a captured launch keeps their address); None where they do
-    not cover `count` programs or do not exist yet during a capture (the merge kernel runs)."""
-    have = _TICKETS.get(device)
-    if have is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        have = _TICKETS[device] = torch.zeros(MERGE_TICKETS, dtype=torch.int32, device=device)
-    return have if count <= have.numel() else None
 
 
 def head_splits(programs: int, group: int) -> int:
@@ -296,16 +245,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     hs = head_splits(t * kvh * max_splits, group) if head_split is None else head_split
     if group % hs:
         raise ValueError(f"head_split {hs} must divide the {group} query heads a kv head")
-    tickets = _tickets(q.device, t * kvh * hs) if max_splits > 1 and FUSED_MERGE else None
     _attn_split_kernel[(t, kvh * hs, max_splits)](
         q, k_cache, v_cache, block_tables, tok_row, ctx_lens, out, pacc, pml,
-        tickets if tickets is not None else tok_row, block_tables.stride(0), max_splits, scale,
-        H=h, KVH=kvh, D=d, BS=bs, GROUP=group,
+        block_tables.stride(0), max_splits, scale, H=h, KVH=kvh, D=d, BS=bs, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), SPLIT=split, BLOCK_N=block_n,
         PREC=PRECISION, MMA=q.device.type == "cuda", HS=hs,
         LINES=max(1, d * k_cache.element_size() // 128) if PREFETCH_KV and t <= PREFETCH_KV else 0,
-        FUSED=tickets is not None, num_warps=WARPS, num_stages=STAGES, **triton_pdl.launch(q))
-    if max_splits > 1 and tickets is None:
+        num_warps=WARPS, num_stages=STAGES, **triton_pdl.launch(q))
+    if max_splits > 1:
         _attn_merge_kernel[(t, h)](ctx_lens, out, pacc, pml, max_splits, H=h, D=d, SPLIT=split,
                                    **triton_pdl.launch(q))
     return out

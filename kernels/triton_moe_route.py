@@ -28,22 +28,13 @@ ROUTER_TILE = TileConfig(bm=16, bn=16, bk=256, warps=4, stages=2)  # f32/q8 rout
 SCAN_MIN, SCAN_MAX = 256, 4096
 
 
-# the top-k in one pass of k rounds, each one max over (probability bits, id) packed into an
-# int64 (probabilities are >= 0, so their bits order as they do): the same picks, weights and
-# rank-order sum as the two passes of k rounds of a max and an index-min each (four times the
-# row reductions; ~2.9 µs a layer at 1 stream, GPU_NOTES v20). False: the two passes
-# (unmeasured; bench/ab_modes.py `topkpack`)
-PACKED_TOPK = False
-
-
 # ---- device code ------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["T"])
 def _topk_kernel(logits_ptr, ids_ptr, wts_ptr, T, E, stride_l, TOPK: tl.constexpr,
                  NORM: tl.constexpr, BM: tl.constexpr, E_PAD: tl.constexpr,
-                 PDL: tl.constexpr, PACKED: tl.constexpr = False):
+                 PDL: tl.constexpr):
     """Per row: softmax over E logits, the top-k in descending order (ties to the lower id),
-    renormalized over the k when NORM (the sum in rank order). PACKED: one pass (`_topk_packed`),
-    the same picks and bits."""
+    renormalized over the k when NORM (the sum in rank order)."""
     pdl_wait(PDL)
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     m_mask = offs_m < T
@@ -54,10 +45,6 @@ def _topk_kernel(logits_ptr, ids_ptr, wts_ptr, T, E, stride_l, TOPK: tl.constexp
     logits = tl.where(e_mask[None, :], acc, float("-inf"))
     p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
     p = p / tl.sum(p, axis=1)[:, None]
-    if PACKED:
-        _topk_packed(p, e_mask, offs_e, offs_m.to(tl.int64) * TOPK, m_mask, ids_ptr, wts_ptr,
-                     TOPK, NORM, BM, E_PAD)
-        return
     p = tl.where(e_mask[None, :], p, -1.0)  # probabilities are >= 0: padding never wins
     total = tl.zeros((BM,), tl.float32)
     if NORM:  # first pass: the sum of the top-k probabilities, in rank order
@@ -81,39 +68,6 @@ def _topk_kernel(logits_ptr, ids_ptr, wts_ptr, T, E, stride_l, TOPK: tl.constexp
             best_w = best
         tl.store(wts_ptr + rows + j, best_w, mask=m_mask)
         p = tl.where(offs_e[None, :] == idx[:, None], -2.0, p)
-
-
-@triton.jit
-def _topk_packed(p, e_mask, offs_e, rows, m_mask, ids_ptr, wts_ptr, TOPK: tl.constexpr,
-                 NORM: tl.constexpr, BM: tl.constexpr, E_PAD: tl.constexpr):
-    """The top-k of p [BM, E_PAD] (probabilities, >= 0) in one pass: each round one max over
-    key = bits(p) << 32 | (E_PAD - 1 - id) (the larger p, then the lower id; taken and padding
-    lanes -1), the k picks and their values kept in [BM, K_PAD] tiles; then the weights —
-    best / total, total summed in rank order — stored once."""
-    K_PAD: tl.constexpr = triton.next_power_of_2(TOPK)
-    bits = p.to(tl.int32, bitcast=True).to(tl.int64)
-    key = tl.where(e_mask[None, :], (bits << 32) | (E_PAD - 1 - offs_e)[None, :].to(tl.int64), -1)
-    col = tl.arange(0, K_PAD)
-    ids = tl.zeros((BM, K_PAD), tl.int32)
-    best = tl.zeros((BM, K_PAD), tl.float32)
-    total = tl.zeros((BM,), tl.float32)
-    for j in tl.static_range(TOPK):
-        top = tl.max(key, axis=1)
-        val = (top >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        idx = (E_PAD - 1 - (top & 0xFFFFFFFF)).to(tl.int32)
-        ids = tl.where(col[None, :] == j, idx[:, None], ids)
-        best = tl.where(col[None, :] == j, val[:, None], best)
-        if j == 0:
-            total = val
-        else:
-            total = total + val
-        key = tl.where(offs_e[None, :] == idx[:, None], -1, key)
-    if NORM:
-        best = best / total[:, None]
-    out = rows[:, None] + col[None, :]
-    keep = m_mask[:, None] & (col < TOPK)[None, :]
-    tl.store(ids_ptr + out, ids, mask=keep)
-    tl.store(wts_ptr + out, best, mask=keep)
 
 
 @triton.jit(do_not_specialize=["TK", "T"])
@@ -199,7 +153,7 @@ def route(x: torch.Tensor, router: Linear, top_k: int, norm_topk_prob: bool,
     _topk_kernel[(triton.cdiv(t, bm),)](logits, ids, wts, t, e, logits.stride(0), TOPK=top_k,
                                         NORM=norm_topk_prob, BM=bm,
                                         E_PAD=max(16, triton.next_power_of_2(e)), num_warps=2,
-                                        PACKED=PACKED_TOPK, **triton_pdl.launch(x))
+                                        **triton_pdl.launch(x))
 
 
 def align(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -61,22 +61,22 @@ def test_the_split_modes_set_the_programs_and_the_split_cap(mode, want):
     assert _knobs(mode, "q4_layout.MAX_PROGRAMS, q4_layout.MAX_SPLIT") == want.split()
 
 
-@pytest.mark.parametrize("mode,want", [("pdl", "1 16 4 8 False False"),
-                                       ("pdl_ecuda0", "0 16 4 8 False False"),
-                                       ("pdl_ecuda4_ecols32_edepth2_eidsfirst", "4 32 2 8 True False")])
-def test_the_expert_cuda_modes_set_their_knobs_and_leave_the_linear_alone(mode, want):
+@pytest.mark.parametrize("mode,want", [("pdl", "1 16 4 8 False False 128"),
+                                       ("pdl_ecuda0", "0 16 4 8 False False 128"),
+                                       ("pdl_ecuda4_ecols32_edepth2_eidsfirst_eprog256",
+                                        "4 32 2 8 True False 256"),
+                                       ("pdl_noeidsfirst_early", "1 16 4 8 False True 128"),
+                                       ("pdl_noearly_eidsfirst", "1 16 4 8 True False 128")])
+def test_the_expert_cuda_and_early_modes_set_their_knobs_and_leave_the_linear_alone(mode, want):
     assert _knobs(mode, "triton_moe.CUDA_MAX_TOKENS, cuda_q4.EXPERT_COLS, cuda_q4.EXPERT_DEPTH, "
                         "triton_linear.CUDA_MAX_ROWS, cuda_q4.EXPERT_EARLY, "
-                        "triton_pdl.EARLY_INPUTS") == want.split()
+                        "triton_pdl.EARLY_INPUTS, moe_layout.EXPERT_PROGRAMS") == want.split()
 
 
-@pytest.mark.parametrize("mode,want", [("pdl", "128 4 2 False False False"),
-                                       ("pdl_attnbn64_attn8_3_attnmerge_topkpack_early",
-                                        "64 8 3 True True True")])
-def test_the_key_tile_merge_top_k_and_early_modes_set_their_knobs(mode, want):
+@pytest.mark.parametrize("mode,want", [("pdl", "128 4 2"), ("pdl_attnbn64_attn8_3", "64 8 3")])
+def test_the_key_tile_modes_set_their_knobs(mode, want):
     assert _knobs(mode, "triton_attention.BLOCK_N_BF16, triton_attention.WARPS, "
-                        "triton_attention.STAGES, triton_attention.FUSED_MERGE, "
-                        "triton_moe_route.PACKED_TOPK, triton_pdl.EARLY_INPUTS") == want.split()
+                        "triton_attention.STAGES") == want.split()
 
 
 @pytest.mark.parametrize("mode,want", [("pdl", "1"), ("pdl_cudarouter", "1"),

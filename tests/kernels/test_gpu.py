@@ -173,20 +173,6 @@ def test_paged_attention_at_real_shapes_and_bitwise_alone(dtype):
     finally:
         triton_attention.PREFETCH_KV = prefetch
     assert torch.equal(again, out) and torch.equal(alone[0], out[5])
-    # the merge by the last split program (FUSED_MERGE): the merge kernel's bits, twice (the
-    # tickets reset themselves), and alone
-    fused = triton_attention.FUSED_MERGE
-    try:
-        triton_attention.FUSED_MERGE = True
-        for _ in range(2):
-            merged = triton_attention.paged_attention(q, kc, vc, tables, rows, ctx, d ** -0.5, nan(t, h, d))
-            assert torch.equal(merged, out)
-        alone = triton_attention.paged_attention(q[5:6].contiguous(), kc, vc, tables[5:6].contiguous(),
-                                                 torch.zeros(1, dtype=torch.int32, device=DEV),
-                                                 ctx[5:6].contiguous(), d ** -0.5, nan(1, h, d))
-    finally:
-        triton_attention.FUSED_MERGE = fused
-    assert torch.equal(alone[0], out[5]) and not triton_attention._TICKETS[q.device].any()
 
 
 @functools.lru_cache(maxsize=1)
@@ -205,24 +191,6 @@ def _moe(x, router, stacked):
     inter, y = nan(t * 8, 768).half(), nan(t * 8, 2048)
     triton_moe.experts_forward(x, ids, stacked, inter, y)
     return ids, wts, triton_moe_route.combine(y, wts, nan(t, 2048))
-
-
-@pytest.mark.parametrize("t", [1, 7, 64])
-def test_moe_at_real_shapes_the_packed_top_k_picks_as_the_two_pass_one(monkeypatch, t):
-    """triton_moe_route.PACKED_TOPK (one pass of packed max-reductions) on the GPU: the route's
-    ids and weights bit for bit as the two-pass kernel's, 128 experts, top 8, ties included."""
-    g = torch.Generator(DEV).manual_seed(t)
-    router = Linear.dense(torch.randn(128, 2048, generator=g, device=DEV))
-    x = torch.randn(t, 2048, generator=g, device=DEV)
-    x[0] = 0.0  # every logit equal: the lowest ids first
-    out = []
-    for packed in (False, True):
-        monkeypatch.setattr(triton_moe_route, "PACKED_TOPK", packed)
-        ids, wts = torch.full((t, 8), -5, dtype=torch.int32, device=DEV), nan(t, 8)
-        triton_moe_route.route(x, router, 8, True, ids, wts)
-        out.append((ids, wts))
-    assert torch.equal(out[1][0], out[0][0]) and torch.equal(out[1][1], out[0][1])
-    assert torch.equal(out[1][0][0].cpu(), torch.arange(8, dtype=torch.int32))
 
 
 def test_moe_at_real_shapes_and_bitwise_alone_vs_among_64():

@@ -346,32 +346,6 @@ def test_paged_attention_bits_do_not_depend_on_how_a_kv_heads_query_heads_are_de
     assert [triton_attention.head_splits(p, 8) for p in (4, 100, 200)] == [1, 1, 1]  # off
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-def test_the_merge_fused_into_the_split_programs_gives_the_merge_kernels_bits(monkeypatch, kv_dtype):
-    """FUSED_MERGE: the last split program of a token's program row merges the partials —
-    the merge kernel's bits, with head splits too, launch after launch (the tickets reset);
-    where the tickets do not cover the launch, the merge kernel runs."""
-    g = gen(17)
-    kc, vc, tables = _paged_setup(g, h=8, kvh=2, dtype=kv_dtype)
-    tok_row = torch.tensor([0, 2, 1, 0], dtype=torch.int32)
-    ctx = torch.tensor([61, 5, 64, 33], dtype=torch.int32)  # 1-4 splits of 16
-    q = torch.randn(4, 8, 16, generator=g)
-    want = triton_attention.paged_attention(q, kc, vc, tables, tok_row, ctx, 0.3, nan(4, 8, 16),
-                                            split=16)
-    monkeypatch.setattr(triton_attention, "FUSED_MERGE", True)
-    for hs in (1, 2, 1):
-        got = triton_attention.paged_attention(q, kc, vc, tables, tok_row, ctx, 0.3,
-                                               nan(4, 8, 16), split=16, head_split=hs)
-        assert torch.equal(got, want), hs
-    tickets = triton_attention._TICKETS[q.device]
-    assert not tickets.any()
-    monkeypatch.setattr(triton_attention, "MERGE_TICKETS", 4)  # fewer than 4 tokens x 2 kv heads
-    monkeypatch.setattr(triton_attention, "_TICKETS", {})
-    got = triton_attention.paged_attention(q, kc, vc, tables, tok_row, ctx, 0.3, nan(4, 8, 16),
-                                           split=16)
-    assert torch.equal(got, want)
-
-
 def test_head_splits_double_until_the_launch_has_its_programs(monkeypatch):
     monkeypatch.setattr(triton_attention, "HEAD_SPLIT_PROGRAMS", 128)
     assert [triton_attention.head_splits(p, 8) for p in (4, 16, 40, 64, 128, 500)] == [8, 8, 4, 2, 1, 1]
@@ -405,27 +379,6 @@ def _moe(x, router, stacked, top_k, residual=None, tile=None):
     y = nan(t * top_k, stacked.hidden)
     triton_moe.experts_forward(x, ids, stacked, inter, y, tile=tile)
     return ids, wts, triton_moe_route.combine(y, wts, nan(t, stacked.hidden), residual)
-
-
-@pytest.mark.parametrize("e,k,norm", [(128, 8, True), (60, 8, False), (16, 3, True), (8, 8, True)])
-def test_the_packed_top_k_picks_and_weighs_as_the_two_pass_top_k(monkeypatch, e, k, norm):
-    """PACKED_TOPK: one pass of k max-reductions over (probability bits, id) keys gives the
-    two-pass kernel's ids and weights bit for bit — ties to the lower id (repeated logits),
-    rows past a program's tile masked, with and without the renormalization."""
-    g = gen(23)
-    t = 7
-    logits = torch.randn(t, e, generator=g)
-    logits[:, 1::3] = logits[:, :1]  # ties with expert 0
-    logits[2] = 0.0  # a row of ties only
-    want_ids, want_w = torch.full((t, k), -5, dtype=torch.int32), nan(t, k)
-    kw = dict(TOPK=k, NORM=norm, BM=4, E_PAD=max(16, 1 << (e - 1).bit_length()), PDL=False)
-    triton_moe_route._topk_kernel[(2,)](logits, want_ids, want_w, t, e, e, **kw)
-    got_ids, got_w = torch.full((t, k), -5, dtype=torch.int32), nan(t, k)
-    triton_moe_route._topk_kernel[(2,)](logits, got_ids, got_w, t, e, e, PACKED=True, **kw)
-    assert torch.equal(got_ids, want_ids) and torch.equal(got_w, want_w)
-    ref = torch.sort(-torch.softmax(logits.double(), -1), dim=-1, stable=True).indices[:, :k]
-    assert torch.equal(got_ids.long(), ref)  # (stable: equal probabilities, the lower id first)
-    assert torch.equal(got_ids[2].long(), torch.arange(k))
 
 
 @pytest.mark.parametrize("fmt,hidden,inter", [("f32", 64, 32), ("q4", 64, 32), ("q4", 256, 256)])
@@ -491,6 +444,18 @@ def test_moe_one_program_per_expert_tile_gives_the_bits_of_the_split_programs(mo
     inter, y = run(True)  # (one program per tile without dealing: the batch-invariance test)
     assert torch.equal(inter, split[0]) and torch.equal(y, split[1])
     assert torch.isfinite(y).all()
+
+
+def test_the_expert_splits_follow_the_program_count_read_at_the_stacking(monkeypatch):
+    """moe_layout.EXPERT_PROGRAMS is read when a layer's experts are stacked (bench/ab_modes.py
+    `eprogN` sets it before the engine loads): the most K splits with n-tiles x splits within
+    it; the linear's program count does not enter."""
+    _, experts, stacked = _moe_setup("q4", gen(3), e=2, hidden=512, inter=64)
+    assert (stacked.gu_split, stacked.down_split) == (8, 1)  # 2 n-tiles x 8 of 8 k steps; 1 k step
+    monkeypatch.setattr(moe_layout, "EXPERT_PROGRAMS", 4)
+    monkeypatch.setattr(q4_layout, "MAX_PROGRAMS", 1 << 20)
+    fewer = moe_layout.StackedExperts.stack(experts)
+    assert (fewer.gu_split, fewer.down_split) == (2, 1)
 
 
 def test_moe_dense_experts_match_the_q4_tile(monkeypatch):
