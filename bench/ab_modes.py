@@ -100,7 +100,7 @@ def apply(mode: str) -> None:
     if 'early' in mode:  # inputs older than the predecessor's loaded before the PDL wait (the
         from kernels import triton_pdl  # default since v21; noearly: after it)
         triton_pdl.EARLY_INPUTS = 'noearly' not in mode
-    if re.search(r'eprog[0-9]+', mode):  # the experts' K splits counted for N programs (128)
+    if re.search(r'eprog[0-9]+', mode):  # the experts' K splits counted for N programs (64)
         from kernels import moe_layout
         moe_layout.EXPERT_PROGRAMS = int(re.search(r'eprog([0-9]+)', mode).group(1))
     if re.search(r'attnbn[0-9]+', mode):  # keys a tile of the bf16 paged attention (128; other bits)

@@ -880,9 +880,10 @@ EXPERT_COLS = 16  # the direct experts' CTA form: columns a warp
 EXPERT_DEPTH = 4  # ... and blocks in flight (register ring slots; fewer where a split needs)
 # down reads its expert ids (the top-k's, two kernels back) and issues its ring's first weight
 # loads before the PDL wait, as the linear's CTA form does its weights: the expert id and the
-# first blocks' DRAM round trips under gate_up's tail; the same loads, so the same bits. False:
-# after the wait (unmeasured; bench/ab_modes.py `eidsfirst`)
-EXPERT_EARLY = False
+# first blocks' DRAM round trips under gate_up's tail; the same loads, so the same bits. The
+# default since v21 (with triton_pdl.EARLY_INPUTS: above); False: after the wait
+# (bench/ab_modes.py `noeidsfirst`)
+EXPERT_EARLY = True
 _BIG_SMEM: set = set()  # kernels given more than 48 KB of dynamic shared memory
 _TICKETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Q4Linear → {key: tickets}
 

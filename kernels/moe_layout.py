@@ -15,8 +15,11 @@ from kernels.q4_layout import Q4Tile, split_count
 from kernels.triton_linear import to_gpu_format, weight_args
 
 Q4_EXPERT_TILE = Q4Tile()
-# q4 expert K splits are sized for one token's top-k (≈ 8 experts): n-tiles × splits ≤ this
-EXPERT_PROGRAMS = 128
+# q4 expert K splits are sized for one token's top-k (≈ 8 experts): n-tiles × splits ≤ this.
+# 64 (v21, H200): Qwen3-30B-A3B's gate_up and down in 2 splits each (128 gave 4 and 4): 1
+# stream +5.3% at context 128, +4.4% at 2,048, 64 streams +2.0% / +3.5%; 32 (1 and 1) loses
+# 9% at 1 stream, 256 (8 and 6) loses everywhere (bench/ab_modes.py `eprogN`)
+EXPERT_PROGRAMS = 64
 
 
 @dataclass(frozen=True, eq=False)

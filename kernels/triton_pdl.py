@@ -42,15 +42,16 @@ def _hopper_or_later(index: int | None) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-# Kernels that read inputs written two or more kernels back (the step's positions and slots,
-# the top-k weights, the residual stream) and constants (norm weights, RoPE tables) load them
-# before `pdl_wait` — only the predecessor may still be running then (the look-ahead is one
-# kernel), so those inputs are final — and what the predecessor wrote after it: the same
-# loads, so the same bits, with their latency under the predecessor's tail. Used by the
-# RMSNorm (its weight), the q/k norm + RoPE + KV store (positions, slots, tables, weights) and
-# the MoE combine (the top-k weights, the residual). False: everything after the wait
-# (unmeasured; bench/ab_modes.py `early`)
-EARLY_INPUTS = False
+# Kernels that read inputs written two or more kernels back (the step's positions and slots)
+# and constants (norm weights, RoPE tables) load them before `pdl_wait` — only the
+# predecessor may still be running then (the look-ahead is one kernel: every kernel lets its
+# dependents launch only after its own wait), so those inputs are final — and what the
+# predecessor wrote after it: the same loads, so the same bits, with their latency under the
+# predecessor's tail. Used by the RMSNorm (its weight) and the q/k norm + RoPE + KV store
+# (positions, slots, tables, weights; the position → table load chain is what it shortens).
+# The default since v21 (H100, with cuda_q4.EXPERT_EARLY: 1 stream +5.0% at context 128,
+# +3.2% at 2,048); False: everything after the wait (bench/ab_modes.py `noearly`)
+EARLY_INPUTS = True
 
 
 def launch(t: torch.Tensor) -> dict:

@@ -61,12 +61,12 @@ def test_the_split_modes_set_the_programs_and_the_split_cap(mode, want):
     assert _knobs(mode, "q4_layout.MAX_PROGRAMS, q4_layout.MAX_SPLIT") == want.split()
 
 
-@pytest.mark.parametrize("mode,want", [("pdl", "1 16 4 8 False False 128"),
-                                       ("pdl_ecuda0", "0 16 4 8 False False 128"),
+@pytest.mark.parametrize("mode,want", [("pdl", "1 16 4 8 True True 64"),
+                                       ("pdl_ecuda0", "0 16 4 8 True True 64"),
                                        ("pdl_ecuda4_ecols32_edepth2_eidsfirst_eprog256",
-                                        "4 32 2 8 True False 256"),
-                                       ("pdl_noeidsfirst_early", "1 16 4 8 False True 128"),
-                                       ("pdl_noearly_eidsfirst", "1 16 4 8 True False 128")])
+                                        "4 32 2 8 True True 256"),
+                                       ("pdl_noeidsfirst", "1 16 4 8 False True 64"),
+                                       ("pdl_noearly", "1 16 4 8 True False 64")])
 def test_the_expert_cuda_and_early_modes_set_their_knobs_and_leave_the_linear_alone(mode, want):
     assert _knobs(mode, "triton_moe.CUDA_MAX_TOKENS, cuda_q4.EXPERT_COLS, cuda_q4.EXPERT_DEPTH, "
                         "triton_linear.CUDA_MAX_ROWS, cuda_q4.EXPERT_EARLY, "
