@@ -19,7 +19,12 @@ from replica.scheduler import StepRecord
 from replica.step_inputs import BlockTables, prefill_range
 
 GRAPH_BATCHES = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
-MIN_GRAPH_BLOCKS = 16  # block-table width buckets: powers of two from here
+# block-table width buckets: powers of two from here. 32 blocks of the default 16 tokens are
+# 512 keys, one split of the paged attention (memory.ATTN_SPLIT): a narrower table runs the
+# same kernels, so a 16-block bucket only added a capture — every batch's streams crossing
+# 256 tokens stopped for one (H200, 64 streams x 144 new tokens from 128: a 108 ms step, 6% of
+# the run, v21)
+MIN_GRAPH_BLOCKS = 32
 # A step whose own graph is not captured yet replays the smallest captured graph that holds it
 # (a larger batch bucket, a wider table bucket: its rows are padding, the same bits) instead of
 # stopping every stream for a capture (~0.1 s at the 30B shape: the tail of a burst, streams
