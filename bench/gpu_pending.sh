@@ -1,19 +1,15 @@
 #!/usr/bin/env bash
 # The next session's first device call (kernels/GPU_NOTES.md, "Left undone" item 0), printing
-# as it goes; every step has its own timeout so a hang costs that step only. Built and
-# unmeasured as of v20: the paged attention's merge fused into its split programs (ab mode
-# attnmerge), the one-pass top-k (topkpack) and older inputs loaded before the PDL wait
-# (early; eidsfirst: the one-token down's expert ids and first weights). Their bits are in the
-# GPU tests below (paged_attention_at_real, moe_at_real...packed_top_k, norms_rope;
-# test_cuda_q4's direct experts), and they run beside the defaults unless MODES says
-# otherwise. This call re-checks the bits on whatever machine comes, takes the defaults'
-# baseline there (compare new variants only against numbers from the same call), Nsight
-# Compute over the one-token kernels (what holds gate_up at 48% of copy: v20) and the kernel
-# profile at 1 and 64 streams. Update it when the list changes.
+# as it goes; every step has its own timeout so a hang costs that step only. It re-checks the
+# kernel bits on whatever machine comes, measures 64 streams x 144 new tokens from context 128
+# (v21 found a 108 ms graph capture at the 256-token crossing, 5,999 tok/s on the H200, and
+# moved the first table-width bucket to 32 blocks: unmeasured), takes the defaults' baseline
+# at contexts 128 / 2,048 x 1 / 8 / 64 beside v20's defaults (`noearly_noeidsfirst_eprog128`:
+# the cumulative gain of v21's defaults on this machine; compare only numbers from one call),
+# then Nsight Compute over the one-token kernels (2 and 2 expert splits since v21) and the
+# kernel profile at 1 and 64 streams. Update it when the list changes.
 # Usage (on the GPU machine, repo root):   OUT=/some/dir bash bench/gpu_pending.sh
-# (MODES= names ab modes to run beside the defaults, default the fused merge alone and with
-# 256-key splits — with no merge kernel a shorter split may no longer lose at 64 streams, v16 —
-# the packed top-k and the early inputs; BITWISE_MODES adds the bitwise sets)
+# (MODES= names ab modes to run beside the defaults; BITWISE_MODES adds the bitwise sets)
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/fedserve-gpu}
@@ -25,13 +21,17 @@ stamp "bits: cuda_q4 (CTA form, PDL chain in a graph, direct experts), the MoE, 
 timeout 200 python -m pytest -q -n 0 tests/kernels/test_cuda_q4.py 2>&1 | tail -4
 timeout 150 python -m pytest -q -n 0 tests/kernels/test_gpu.py -k "moe_at_real or paged_attention_at_real or norms_rope" 2>&1 | tail -3
 
+stamp "64 streams x 144 new tokens from context 128 (the longest step is printed when it stalls)"
+KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=3 T_ENGINE=150 MAX_TOKENS=144 ENGINE_MODES="pdl" CONTEXT=128 STREAMS=64 \
+  TAG=_t144 bash bench/gpu_ab.sh 2>&1 | grep -v "^KV pool\|^NVIDIA\|^torch"
+
 # the defaults (pdl), then any MODES beside them, at the contexts and stream counts of the targets
-KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=${TAIL:-5} T_ENGINE=${T_ENGINE:-150} \
-  ENGINE_MODES="pdl ${MODES-pdl_early_eidsfirst}" CONTEXT=128,2048 STREAMS=1,8,64 TAG=_base \
+KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=${TAIL:-7} T_ENGINE=${T_ENGINE:-150} \
+  ENGINE_MODES="pdl ${MODES-pdl_noearly_noeidsfirst_eprog128}" CONTEXT=128,2048 STREAMS=1,8,64 TAG=_base \
   bash bench/gpu_ab.sh 2>&1 | grep -v "^context\|^KV pool"
 
 stamp "Nsight Compute: the one-token kernels (gate_up, down, qkv, o, the router)"
-PROBE_ARGS="--ms 1 --ts 1" NCU_KERNELS="q4_e|q4_cta" T_NCU=180 bash bench/ncu_probe.sh 2>&1 | tail -24
+PROBE_ARGS="--ms 1 --ts 1" NCU_KERNELS="q4_e|q4_cta" T_NCU=180 bash bench/ncu_probe.sh 2>&1 | tail -26
 
 stamp "kernel time per step by kernel (eager, CUPTI, plain launches), 1 and 64 streams"
 timeout 200 python -m bench.gpu_profile --prompts 8 --prompt-len 512 --no-pdl --json "$OUT/profile.json" 2>&1 \
