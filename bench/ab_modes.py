@@ -103,6 +103,12 @@ def apply(mode: str) -> None:
     if re.search(r'eprog[0-9]+', mode):  # the experts' K splits counted for N programs (64)
         from kernels import moe_layout
         moe_layout.EXPERT_PROGRAMS = int(re.search(r'eprog([0-9]+)', mode).group(1))
+    if re.search(r'egu[0-9]+', mode):  # ... gate_up's alone
+        from kernels import moe_layout
+        moe_layout.GU_PROGRAMS = int(re.search(r'egu([0-9]+)', mode).group(1))
+    if re.search(r'edn[0-9]+', mode):  # ... down's alone
+        from kernels import moe_layout
+        moe_layout.DOWN_PROGRAMS = int(re.search(r'edn([0-9]+)', mode).group(1))
     if re.search(r'attnbn[0-9]+', mode):  # keys a tile of the bf16 paged attention (128; other bits)
         from kernels import triton_attention
         triton_attention.BLOCK_N_BF16 = int(re.search(r'attnbn([0-9]+)', mode).group(1))

@@ -5,7 +5,9 @@
 # (v21 found a 108 ms graph capture at the 256-token crossing, 5,999 tok/s on the H200, and
 # moved the first table-width bucket to 32 blocks: unmeasured), takes the defaults' baseline
 # at contexts 128 / 2,048 x 1 / 8 / 64 beside v20's defaults (`noearly_noeidsfirst_eprog128`:
-# the cumulative gain of v21's defaults on this machine; compare only numbers from one call),
+# the cumulative gain of v21's defaults on this machine; compare only numbers from one call)
+# and the experts' splits apart (`edn96`: gate_up 2, down 3 — one wave of down's CTAs with
+# fewer rounds a warp; `edn128`: 2 / 4; `egu96`: 4 / 2),
 # then Nsight Compute over the one-token kernels (2 and 2 expert splits since v21) and the
 # kernel profile at 1 and 64 streams. Update it when the list changes.
 # Usage (on the GPU machine, repo root):   OUT=/some/dir bash bench/gpu_pending.sh
@@ -27,7 +29,7 @@ KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=3 T_ENGINE=150 MAX_TOKENS=144 ENGINE_MOD
 
 # the defaults (pdl), then any MODES beside them, at the contexts and stream counts of the targets
 KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=${TAIL:-7} T_ENGINE=${T_ENGINE:-150} \
-  ENGINE_MODES="pdl ${MODES-pdl_noearly_noeidsfirst_eprog128}" CONTEXT=128,2048 STREAMS=1,8,64 TAG=_base \
+  ENGINE_MODES="pdl ${MODES-pdl_noearly_noeidsfirst_eprog128 pdl_edn96 pdl_edn128 pdl_egu96}" CONTEXT=128,2048 STREAMS=1,8,64 TAG=_base \
   bash bench/gpu_ab.sh 2>&1 | grep -v "^context\|^KV pool"
 
 stamp "Nsight Compute: the one-token kernels (gate_up, down, qkv, o, the router)"

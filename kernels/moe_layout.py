@@ -20,6 +20,10 @@ Q4_EXPERT_TILE = Q4Tile()
 # stream +5.3% at context 128, +4.4% at 2,048, 64 streams +2.0% / +3.5%; 32 (1 and 1) loses
 # 9% at 1 stream, 256 (8 and 6) loses everywhere (bench/ab_modes.py `eprogN`)
 EXPERT_PROGRAMS = 64
+# ... for gate_up or down alone where set (None: EXPERT_PROGRAMS; bench/ab_modes.py `eguN`,
+# `ednN`: at the 30B shape 2 / 2 beat 4 / 4, 2 / 1 and 1 / 1 at one token, v21)
+GU_PROGRAMS: int | None = None
+DOWN_PROGRAMS: int | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -54,7 +58,8 @@ class StackedExperts:
     def stack(cls, experts: tuple[tuple[Linear, Linear], ...], tile: Q4Tile | None = None,
               programs: int | None = None) -> "StackedExperts":
         tile = tile or Q4_EXPERT_TILE  # (read at the call: bench/ab_modes.py `etile...`,
-        programs = EXPERT_PROGRAMS if programs is None else programs  # `eprogN`)
+        gp = (GU_PROGRAMS or EXPERT_PROGRAMS) if programs is None else programs  # `eprogN`,
+        dp = (DOWN_PROGRAMS or EXPERT_PROGRAMS) if programs is None else programs  # `eguN`...)
         fmt = experts[0][0].fmt
         if any(x.fmt != fmt for pair in experts for x in pair):
             raise ValueError("experts must share one weight format")
@@ -76,8 +81,8 @@ class StackedExperts:
         if fmt != "q4":
             return cls(fmt, e, hidden, inter, gu, down)
         dev = gu[0].device
-        gs = split_count(2 * inter, hidden, tile, programs)
-        ds = split_count(hidden, inter, tile, programs)
+        gs = split_count(2 * inter, hidden, tile, gp)
+        ds = split_count(hidden, inter, tile, dp)
         tickets = lambda n: torch.zeros(e * _cdiv(n, tile.bn), dtype=torch.int32, device=dev)  # noqa: E731
         return cls(fmt, e, hidden, inter, gu, down, gs, ds, tickets(2 * inter), tickets(hidden),
                    tile, torch.zeros(1 + 2 * e, dtype=torch.int32, device=dev))

@@ -456,6 +456,9 @@ def test_the_expert_splits_follow_the_program_count_read_at_the_stacking(monkeyp
     monkeypatch.setattr(q4_layout, "MAX_PROGRAMS", 1 << 20)
     fewer = moe_layout.StackedExperts.stack(experts)
     assert (fewer.gu_split, fewer.down_split) == (2, 1)
+    monkeypatch.setattr(moe_layout, "GU_PROGRAMS", 8)  # gate_up's own count: 4 splits
+    assert moe_layout.StackedExperts.stack(experts).gu_split == 4
+    assert moe_layout.StackedExperts.stack(experts, programs=4).gu_split == 2  # given: both
 
 
 def test_moe_dense_experts_match_the_q4_tile(monkeypatch):
