@@ -7,7 +7,9 @@
 # at contexts 128 / 2,048 x 1 / 8 / 64 beside v20's defaults (`noearly_noeidsfirst_eprog128`:
 # the cumulative gain of v21's defaults on this machine; compare only numbers from one call)
 # and the experts' splits apart (`edn96`: gate_up 2, down 3 — one wave of down's CTAs with
-# fewer rounds a warp; `edn128`: 2 / 4; `egu96`: 4 / 2),
+# fewer rounds a warp; `edn128`: 2 / 4; `egu96`: 4 / 2), and qkv / o dequantized once a call
+# from 64 / 16 rows (`ldense64`, `ldense16`: the dense path, 256 rows by default, never
+# measured at decode sizes; the same bits; v21's ncu has the 64-row q4 tile at 8% of DRAM),
 # then Nsight Compute over the one-token kernels (2 and 2 expert splits since v21) and the
 # kernel profile at 1 and 64 streams. Update it when the list changes.
 # Usage (on the GPU machine, repo root):   OUT=/some/dir bash bench/gpu_pending.sh
@@ -29,7 +31,7 @@ KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=3 T_ENGINE=150 MAX_TOKENS=144 ENGINE_MOD
 
 # the defaults (pdl), then any MODES beside them, at the contexts and stream counts of the targets
 KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=${TAIL:-7} T_ENGINE=${T_ENGINE:-150} \
-  ENGINE_MODES="pdl ${MODES-pdl_noearly_noeidsfirst_eprog128 pdl_edn96 pdl_edn128 pdl_egu96}" CONTEXT=128,2048 STREAMS=1,8,64 TAG=_base \
+  ENGINE_MODES="pdl ${MODES-pdl_noearly_noeidsfirst_eprog128 pdl_edn96 pdl_edn128 pdl_egu96 pdl_ldense64 pdl_ldense16}" CONTEXT=128,2048 STREAMS=1,8,64 TAG=_base \
   bash bench/gpu_ab.sh 2>&1 | grep -v "^context\|^KV pool"
 
 stamp "Nsight Compute: the one-token kernels (gate_up, down, qkv, o, the router)"
