@@ -17,8 +17,9 @@ from kernels.triton_linear import to_gpu_format, weight_args
 Q4_EXPERT_TILE = Q4Tile()
 # q4 expert K splits are sized for one token's top-k (≈ 8 experts): n-tiles × splits ≤ this.
 # 64 (v21, H200): Qwen3-30B-A3B's gate_up and down in 2 splits each (128 gave 4 and 4): 1
-# stream +5.3% at context 128, +4.4% at 2,048, 64 streams +2.0% / +3.5%; 32 (1 and 1) loses
-# 9% at 1 stream, 256 (8 and 6) loses everywhere (bench/ab_modes.py `eprogN`)
+# stream +5.3% at context 128, +4.4% at 2,048, 64 streams +2.0% / +3.5%; against 64, 32 (1
+# and 1) loses 13.5% at 1 stream (gains 2.4% at 64), 256 (8 and 6) loses everywhere
+# (bench/ab_modes.py `eprogN`)
 EXPERT_PROGRAMS = 64
 # ... for gate_up or down alone where set (None: EXPERT_PROGRAMS; bench/ab_modes.py `eguN`,
 # `ednN`: at the 30B shape 2 / 2 beat 4 / 4, 2 / 1 and 1 / 1 at one token, v21)
