@@ -66,6 +66,23 @@ def early(t: torch.Tensor) -> bool:
 
 
 @triton.jit
+def pdl_release(PDL: tl.constexpr):
+    """Let the next kernel launch now, before this one's `pdl_wait_last` (a kernel whose inputs
+    are all final when it starts: it works, then waits at its end, so it still completes
+    after its predecessor). The next kernel's pre-wait code may then run beside this one's
+    predecessor: it may read nothing written fewer than three kernels back."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait_last(PDL: tl.constexpr):
+    """The end-of-kernel wait of a kernel that ran `pdl_release` first."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
 def pdl_wait(PDL: tl.constexpr):
     """Wait for the previous kernel in the stream to complete (its writes visible), then let
     the next one launch. Nothing a kernel wrote may be read before this."""
