@@ -77,6 +77,8 @@ def apply(mode: str) -> None:
         triton_moe.PREFETCH_BLOCKS = None
     elif re.search(r'eprefetch[0-9]+', mode):  # ... or this many blocks of it
         triton_moe.PREFETCH_BLOCKS = int(re.search(r'eprefetch([0-9]+)', mode).group(1))
+    if 'skip' in mode:  # ablations: timing only, the tokens are wrong (see `_skip`)
+        _skip(mode)
     if 'fusedmoe' in mode:  # direct experts and combine in one launch (triton_moe.FUSED)
         triton_moe.FUSED = True
     if 'nomaxnreg' in mode:  # the seq expert kernels at the compiler's register count (v8)
@@ -151,3 +153,38 @@ def apply(mode: str) -> None:
     if 'splitrows' in mode:  # every batch size on the decode tile with parallel K splits (v7)
         q4_layout.SEQ_MIN_ROWS = q4_layout.WIDE_MIN_ROWS = 1 << 30
         triton_moe.SEQ_MIN_TOKENS = triton_moe.WIDE_MIN_TOKENS = 1 << 30
+
+
+def _skip(mode: str) -> None:
+    """Ablations for where a one-token step's time goes on the chain (GPU_NOTES v22): a kernel
+    family launches nothing, so the step without it says what it costs in the PDL graph, waits
+    and boundaries included (an eager profile counts each kernel alone). The outputs are
+    wrong but finite: a skipped kernel's output is its input (`skipnorm`, `skipcombine`: the
+    residual alone, `skipmoe`: the whole MoE) or zeros allocated once a shape (`skiprope`: q,
+    nothing written to the pool; `skipattn`). Timing only: never with the bitwise tests."""
+    import torch
+
+    from kernels import ops, triton_moe_route
+
+    zeros: dict = {}
+
+    def zeros_of(shape, device) -> torch.Tensor:
+        key = (tuple(shape), str(device))
+        if key not in zeros:
+            zeros[key] = torch.zeros(shape, dtype=torch.float32, device=device)
+        return zeros[key]
+
+    if 'skipnorm' in mode:  # every RMSNorm (the q / k norms are the rope kernel's)
+        ops.rms_norm = lambda x, weight, eps: x
+    if 'skiprope' in mode:
+        ops.qkv_rope_store = lambda qkv, positions, cos, sin, q_norm, k_norm, eps, slots, \
+            k_cache, v_cache, num_heads: zeros_of((qkv.shape[0], num_heads, k_cache.shape[-1]),
+                                                  qkv.device)
+    if 'skipattn' in mode:
+        ops.paged_attention = lambda q, k_cache, v_cache, block_tables, tok_row, ctx_lens, \
+            scale: zeros_of(q.shape, q.device)
+    if 'skipcombine' in mode:
+        triton_moe_route.combine = lambda y, wts, out, residual=None: \
+            residual if residual is not None else out
+    if 'skipmoe' in mode:  # router, top-k, experts and combine
+        ops.moe = lambda x, router, experts, top_k, norm_topk_prob, residual=None: residual
