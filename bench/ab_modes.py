@@ -159,9 +159,9 @@ def _skip(mode: str) -> None:
     """Ablations for where a one-token step's time goes on the chain (GPU_NOTES v22): a kernel
     family launches nothing, so the step without it says what it costs in the PDL graph, waits
     and boundaries included (an eager profile counts each kernel alone). The outputs are
-    wrong but finite: a skipped kernel's output is its input (`skipnorm`, `skipcombine`: the
-    residual alone, `skipmoe`: the whole MoE) or zeros allocated once a shape (`skiprope`: q,
-    nothing written to the pool; `skipattn`). Timing only: never with the bitwise tests."""
+    wrong but finite: a skipped kernel's output is its input (`skipcombine`: the residual alone,
+    `skipexperts`: gate_up, down and the combine, `skipmoe`: the whole MoE) or zeros allocated
+    once a shape (`skipnorm`; `skiprope`: q, nothing written to the pool; `skipattn`). Timing only: never with the bitwise tests."""
     import torch
 
     from kernels import ops, triton_moe_route
@@ -174,8 +174,8 @@ def _skip(mode: str) -> None:
             zeros[key] = torch.zeros(shape, dtype=torch.float32, device=device)
         return zeros[key]
 
-    if 'skipnorm' in mode:  # every RMSNorm (the q / k norms are the rope kernel's)
-        ops.rms_norm = lambda x, weight, eps: x
+    if 'skipnorm' in mode:  # every RMSNorm (the q / k norms are the rope kernel's): zeros, as
+        ops.rms_norm = lambda x, weight, eps: zeros_of(x.shape, x.device)  # x overflows
     if 'skiprope' in mode:
         ops.qkv_rope_store = lambda qkv, positions, cos, sin, q_norm, k_norm, eps, slots, \
             k_cache, v_cache, num_heads: zeros_of((qkv.shape[0], num_heads, k_cache.shape[-1]),
@@ -184,6 +184,11 @@ def _skip(mode: str) -> None:
         ops.paged_attention = lambda q, k_cache, v_cache, block_tables, tok_row, ctx_lens, \
             scale: zeros_of(q.shape, q.device)
     if 'skipcombine' in mode:
+        triton_moe_route.combine = lambda y, wts, out, residual=None: \
+            residual if residual is not None else out
+    if 'skipexperts' in mode:  # gate_up and down (and the combine: y is never written)
+        from kernels import triton_moe
+        triton_moe.experts_forward = lambda *args, **kwargs: None
         triton_moe_route.combine = lambda y, wts, out, residual=None: \
             residual if residual is not None else out
     if 'skipmoe' in mode:  # router, top-k, experts and combine
