@@ -102,9 +102,6 @@ def apply(mode: str) -> None:
     if 'early' in mode:  # inputs older than the predecessor's loaded before the PDL wait (the
         from kernels import triton_pdl  # default since v21; noearly: after it)
         triton_pdl.EARLY_INPUTS = 'noearly' not in mode
-    if 'topkbeside' in mode:  # the top-k by the logits, off the one-token chain (beside gate_up)
-        from kernels import triton_moe_route
-        triton_moe_route.TOPK_BESIDE = True
     if re.search(r'eprog[0-9]+', mode):  # the experts' K splits counted for N programs (64)
         from kernels import moe_layout
         moe_layout.EXPERT_PROGRAMS = int(re.search(r'eprog([0-9]+)', mode).group(1))

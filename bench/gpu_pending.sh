@@ -10,8 +10,6 @@
 # fewer rounds a warp; `edn128`: 2 / 4; `egu96`: 4 / 2), and qkv / o dequantized once a call
 # from 64 / 16 rows (`ldense64`, `ldense16`: the dense path, 256 rows by default, never
 # measured at decode sizes; the same bits; v21's ncu has the 64-row q4 tile at 8% of DRAM),
-# and the top-k off the one-token chain (`topkbeside`: built after v21's device time; its
-# bits in test_gpu's top_k_beside test below),
 # then Nsight Compute over the one-token kernels (2 and 2 expert splits since v21) and the
 # kernel profile at 1 and 64 streams. Update it when the list changes.
 # Usage (on the GPU machine, repo root):   OUT=/some/dir bash bench/gpu_pending.sh
@@ -25,7 +23,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 
 stamp "bits: cuda_q4 (CTA form, PDL chain in a graph, direct experts), the MoE, paged attention"
 timeout 200 python -m pytest -q -n 0 tests/kernels/test_cuda_q4.py 2>&1 | tail -4
-timeout 150 python -m pytest -q -n 0 tests/kernels/test_gpu.py -k "moe_at_real or paged_attention_at_real or norms_rope or top_k_beside" 2>&1 | tail -3
+timeout 150 python -m pytest -q -n 0 tests/kernels/test_gpu.py -k "moe_at_real or paged_attention_at_real or norms_rope" 2>&1 | tail -3
 
 stamp "64 streams x 144 new tokens from context 128 (the longest step is printed when it stalls)"
 KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=3 T_ENGINE=150 MAX_TOKENS=144 ENGINE_MODES="pdl" CONTEXT=128 STREAMS=64 \
@@ -33,7 +31,7 @@ KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=3 T_ENGINE=150 MAX_TOKENS=144 ENGINE_MOD
 
 # the defaults (pdl), then any MODES beside them, at the contexts and stream counts of the targets
 KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=${TAIL:-7} T_ENGINE=${T_ENGINE:-150} \
-  ENGINE_MODES="pdl ${MODES-pdl_noearly_noeidsfirst_eprog128 pdl_topkbeside pdl_edn96 pdl_edn128 pdl_egu96 pdl_ldense64 pdl_ldense16}" CONTEXT=128,2048 STREAMS=1,8,64 TAG=_base \
+  ENGINE_MODES="pdl ${MODES-pdl_noearly_noeidsfirst_eprog128 pdl_edn96 pdl_edn128 pdl_egu96 pdl_ldense64 pdl_ldense16}" CONTEXT=128,2048 STREAMS=1,8,64 TAG=_base \
   bash bench/gpu_ab.sh 2>&1 | grep -v "^context\|^KV pool"
 
 stamp "Nsight Compute: the one-token kernels (gate_up, down, qkv, o, the router)"

@@ -77,7 +77,6 @@ from kernels.q4_layout import LINEAR_TILE, Q4Linear
 
 SOURCE = r"""
 #include <cuda_fp16.h>
-#define RANK_MAX_E 512  // experts a logits row may have for the ranked forms (cuda_q4.RANK_MAX_E)
 
 __device__ __forceinline__ unsigned half2_bits(__half2 h) { return *reinterpret_cast<unsigned*>(&h); }
 __device__ __forceinline__ __half2 bits_half2(unsigned u) { return *reinterpret_cast<__half2*>(&u); }
@@ -650,40 +649,12 @@ __device__ __forceinline__ float silu_mul(float g, float u) {
   return r;
 }
 
-// The top-k by the logits (triton_moe_route `_topk_kernel` BY_LOGITS): a logit's order key —
-// its bits as a signed int, negatives' magnitude bits flipped, -0 as +0, NaN below every
-// number — and the expert of rank r among E logits (keys descending, ties to the lower id),
-// each of the CTA's threads counting the keys above its own. sh: E + 1 ints.
-__device__ __forceinline__ int logit_key(float v) {
-  const int b = __float_as_int(v);
-  if (v != v) return -2147483647;
-  if (b == (int)0x80000000) return 0;
-  return b >= 0 ? b : b ^ 0x7FFFFFFF;
-}
-
-__device__ int ranked_expert(const float* __restrict__ l, int E, int r, int* sh) {
-  for (int i = threadIdx.x; i < E; i += blockDim.x) sh[i] = logit_key(l[i]);
-  __syncthreads();
-  for (int i = threadIdx.x; i < E; i += blockDim.x) {
-    const int ki = sh[i];
-    int above = 0;
-    for (int j = 0; j < E; ++j) {
-      const int kj = sh[j];
-      above += (kj > ki) | ((kj == ki) & (j < i));
-    }
-    if (above == r) sh[E] = i;
-  }
-  __syncthreads();
-  return sh[E];
-}
-
-template <int NT, int D, bool GATE_UP, bool RANK>
+template <int NT, int D, bool GATE_UP>
 __device__ __forceinline__ void q4_expert_cta(const void* __restrict__ xv, const int* __restrict__ ids,
-                                              const float* __restrict__ logits,
                                               const unsigned char* __restrict__ qs,
                                               const unsigned* __restrict__ sm, void* __restrict__ outv,
                                               int N, int K, int stride_x, int stride_out, int S,
-                                              int topk, int early, int E, int stride_l) {
+                                              int topk, int early) {
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int C = 8 * NT;
   float* part = reinterpret_cast<float*>(smem);  // [S][C]: row 0 of each split's partial
@@ -695,17 +666,9 @@ __device__ __forceinline__ void q4_expert_cta(const void* __restrict__ xv, const
   split_k(K, S, sp, k_lo, k_hi);
   // ids: the top-k's — gate_up's predecessor, so after the wait; down (early: EXPERT_EARLY) reads
   // them before it, two kernels on (final then: only the predecessor may still run), and its
-  // ring's first weight loads go out before the wait too (ring_acc waits after them).
-  // RANK (triton_moe_route.TOPK_BESIDE, one token): no ids — the CTA ranks its assignment's
-  // expert among the router's E logits (gate_up: its predecessor's output, after the wait; down: early)
+  // ring's first weight loads go out before the wait too (ring_acc waits after them)
   if (!early) pdl_wait();
-  long e;
-  if constexpr (RANK) {
-    __shared__ int rank_sh[RANK_MAX_E + 1];
-    e = ranked_expert(logits + (long)(a / topk) * stride_l, E, a % topk, rank_sh);
-  } else {
-    e = ids[a];
-  }
+  const long e = ids[a];
   const unsigned char* qe = qs + e * per_expert * 16;
   const unsigned* se = sm + e * per_expert;
   lane_bytes(c, sel, word);
@@ -744,18 +707,12 @@ __device__ __forceinline__ void q4_expert_cta(const void* __restrict__ xv, const
   }
 }
 
-#define Q4_EXPERT_R(KIND, GU, NT, D, R, SUFFIX, MINB) \
-    extern "C" __global__ void __launch_bounds__(256, MINB) q4_e##KIND##NT##_d##D##SUFFIX(const void* x, const int* ids, const float* logits, \
-                          const unsigned char* qs, const unsigned* sm, void* out, int N, int K, \
-                          int stride_x, int stride_out, int S, int topk, int early, int E, \
-                          int stride_l) { \
-    q4_expert_cta<NT, D, GU, R>(x, ids, logits, qs, sm, out, N, K, stride_x, stride_out, S, topk, \
-                                GU ? 0 : early, E, stride_l); }
-#define Q4_EXPERT(KIND, GU, NT, D) Q4_EXPERT_R(KIND, GU, NT, D, false, , 1)
-// the ranked forms (suffix r: the expert ranked from the logits), at 16 columns a warp; down's
-// held to 128 registers (2 CTAs of 256 threads an SM), as its plain form compiles, so that
-// 1,024 CTAs of 64 threads stay one wave on the H100 / H200 (8 an SM; at 139 registers, 7)
-// (down at depth 8 would spill under that bound: its ranked form stops at 4)
+#define Q4_EXPERT(KIND, GU, NT, D) extern "C" __global__ void __launch_bounds__(256, 1) \
+    q4_e##KIND##NT##_d##D(const void* x, const int* ids, const unsigned char* qs, \
+                          const unsigned* sm, void* out, int N, int K, int stride_x, \
+                          int stride_out, int S, int topk, int early) { \
+    q4_expert_cta<NT, D, GU>(x, ids, qs, sm, out, N, K, stride_x, stride_out, S, topk, \
+                             GU ? 0 : early); }
 #define Q4_EXPERTS(KIND, GU) Q4_EXPERT(KIND, GU, 1, 2) Q4_EXPERT(KIND, GU, 1, 4) \
     Q4_EXPERT(KIND, GU, 1, 8) Q4_EXPERT(KIND, GU, 2, 2) Q4_EXPERT(KIND, GU, 2, 4) \
     Q4_EXPERT(KIND, GU, 2, 8) Q4_EXPERT(KIND, GU, 4, 2) Q4_EXPERT(KIND, GU, 4, 4)
@@ -789,9 +746,6 @@ __device__ __forceinline__ void q4_expert_cta(const void* __restrict__ xv, const
 # form: two thirds of the PTX), compiled and loaded on their first launch only.
 CORE = r"""
 Q4_EXPERTS(gu, true) Q4_EXPERTS(dn, false)
-Q4_EXPERT_R(gu, true, 2, 2, true, r, 1) Q4_EXPERT_R(gu, true, 2, 4, true, r, 1)
-Q4_EXPERT_R(gu, true, 2, 8, true, r, 1) Q4_EXPERT_R(dn, false, 2, 2, true, r, 2)
-Q4_EXPERT_R(dn, false, 2, 4, true, r, 2)
 Q4_CTA(8, 1, 2) Q4_CTA(8, 1, 4) Q4_CTA(8, 1, 8) Q4_CTA(8, 2, 2) Q4_CTA(8, 2, 4) Q4_CTA(8, 2, 8)
 Q4_CTA(8, 4, 2) Q4_CTA(8, 4, 4) Q4_CTA(16, 1, 2) Q4_CTA(16, 1, 4) Q4_CTA(16, 2, 2)
 Q4_CTA(16, 2, 4) Q4_CTA(16, 4, 2) Q4_CTA(16, 4, 4)
@@ -895,8 +849,6 @@ def _compile(arch: str, source: str) -> bytes:
 # to 8 / up to 16 a row tile, x columns a warp = 8 NT)
 ENTRIES = tuple(f"q4_e{kind}{cols // 8}_d{d}".encode() for kind in ("gu", "dn")
                 for cols in (8, 16, 32) for d in (2, 4, 8) if cols * d <= 128)
-ENTRIES += tuple(f"q4_e{kind}2_d{d}r".encode() for kind, ds in (("gu", (2, 4, 8)), ("dn", (2, 4)))
-                 for d in ds)  # the ranked forms (TOPK_BESIDE)
 # the 512-thread CTA form for 9-16 splits: (rows, columns a warp) → the deepest ring it has
 CTAW_DEPTH = {(8, 8): 8, (8, 16): 2, (16, 8): 4, (16, 16): 2}
 ENTRIES += tuple(f"q4_ctaw{rows}_{cols // 8}_d{d}".encode()
@@ -932,7 +884,6 @@ EXPERT_DEPTH = 4  # ... and blocks in flight (register ring slots; fewer where a
 # default since v21 (with triton_pdl.EARLY_INPUTS: above); False: after the wait
 # (bench/ab_modes.py `noeidsfirst`)
 EXPERT_EARLY = True
-RANK_MAX_E = 512  # experts a logits row may have for the ranked expert forms (SOURCE's RANK_MAX_E)
 _BIG_SMEM: set = set()  # kernels given more than 48 KB of dynamic shared memory
 _TICKETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Q4Linear → {key: tickets}
 
@@ -1132,16 +1083,11 @@ def experts_fit(experts, x: torch.Tensor) -> bool:
 
 
 def experts_direct(x: torch.Tensor, ids: torch.Tensor, experts, inter: torch.Tensor,
-                   y: torch.Tensor, cols: int | None = None, depth: int | None = None,
-                   logits: torch.Tensor | None = None, between=None) -> None:
+                   y: torch.Tensor, cols: int | None = None, depth: int | None = None) -> None:
     """triton_moe's direct q4 experts (a slot per assignment) in the CTA form (q4_expert_cta):
     inter [T*k, I] fp16 = silu(x W_gate.T) * (x W_up.T), then y [T*k, hidden] = inter W_down.T,
     each (assignment, column tile) a CTA of the weight's K splits, merged in split order —
-    the direct split programs' bits. x [T, hidden] fp32; ids [T, k] int32 contiguous.
-    logits [T, E] fp32 (the router's, E <= RANK_MAX_E): each CTA ranks its assignment's expert
-    from them (the top-k by the logits) and ids is not read; `between()` then launches what
-    runs between gate_up and down (triton_moe_route.TOPK_BESIDE: the top-k that writes ids
-    and the combine's weights)."""
+    the direct split programs' bits. x [T, hidden] fp32; ids [T, k] int32 contiguous."""
     cols, depth = cols or EXPERT_COLS, depth or EXPERT_DEPTH
     if cols not in (8, 16, 32) or depth not in (2, 4, 8) or cols * depth > 128:
         raise ValueError("cuda_q4: expert cols 8, 16 or 32 and depth 2, 4 or 8 (cols x depth ≤ 128)")
@@ -1151,29 +1097,18 @@ def experts_direct(x: torch.Tensor, ids: torch.Tensor, experts, inter: torch.Ten
     t, top_k = ids.shape
     if t * top_k == 0:
         return
-    if logits is not None and (logits.shape[0] != t or not 0 < logits.shape[1] <= RANK_MAX_E
-                               or logits.dtype != torch.float32 or logits.stride(1) != 1
-                               or cols != 16):
-        raise ValueError(f"cuda_q4: logits fp32 [T, E <= {RANK_MAX_E}] with contiguous rows, "
-                         "16 columns a warp")
-    e_rank, stride_l = (logits.shape[1], logits.stride(0)) if logits is not None else (0, 0)
     i, h = experts.inter, experts.hidden
     cuda, fns = _functions(x.device.index or 0)
     (gw, gs), (dw, ds) = experts.gu, experts.down
     for kind, src, w, s, dst, n, k, split in (("gu", x, gw, gs, inter, 2 * i, h, experts.gu_split),
                                                ("dn", inter, dw, ds, y, h, i, experts.down_split)):
         blocks = -(-k // 64 // split) * 2
-        d = min(depth, 4) if e_rank and kind == "dn" else depth  # (the ranked down's forms)
+        d = depth
         while blocks % d:
             d //= 2
-        if kind == "dn" and between is not None:
-            between()
-        _launch(cuda, fns[f"q4_e{kind}{cols // 8}_d{d}{'r' if e_rank else ''}".encode()],
-                (n // cols, t * top_k, 1),
-                32 * split, split * cols * 4,
-                (src, ids, logits if logits is not None else ids, w, s.view(torch.int32), dst),
-                (n, k, src.stride(0), dst.stride(0), split, top_k, int(EXPERT_EARLY), e_rank,
-                 stride_l))
+        _launch(cuda, fns[f"q4_e{kind}{cols // 8}_d{d}".encode()], (n // cols, t * top_k, 1),
+                32 * split, split * cols * 4, (src, ids, w, s.view(torch.int32), dst),
+                (n, k, src.stride(0), dst.stride(0), split, top_k, int(EXPERT_EARLY)))
 
 
 def _check(x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None) -> None:

@@ -548,19 +548,6 @@ def moe(x: torch.Tensor, router: Linear, experts: StackedExperts, top_k: int,
     t, dev = x.shape[0], x.device
     ids = torch.empty(t, top_k, dtype=torch.int32, device=dev)  # [T, k]
     wts = torch.empty(t, top_k, dtype=torch.float32, device=dev)  # [T, k]
-    if triton_moe_route.TOPK_BESIDE and t == 1 and not fused_fits(t, top_k, experts) \
-            and _cuda_direct(x, t, top_k, experts) and _ranked_fits(experts):
-        # the top-k off the chain: gate_up and down rank their expert from the logits, the
-        # top-k kernel (ids for nobody, weights for the combine) runs beside gate_up
-        from kernels import cuda_q4
-        logits = torch.empty(t, router.out_features, dtype=torch.float32, device=dev)
-        triton_moe_route.router_logits(x, router, logits)
-        inter = torch.empty(t * top_k, experts.inter, dtype=inter_dtype(experts), device=dev)
-        y = torch.empty(t * top_k, experts.hidden, dtype=torch.float32, device=dev)
-        cuda_q4.experts_direct(x, ids, experts, inter, y, logits=logits, between=lambda: (
-            triton_moe_route.topk(logits, top_k, norm_topk_prob, ids, wts, late=True)))
-        out = torch.empty(t, experts.hidden, dtype=torch.float32, device=dev)
-        return triton_moe_route.combine(y, wts, out, residual)
     triton_moe_route.route(x, router, top_k, norm_topk_prob, ids, wts)
     if fused_fits(t, top_k, experts):
         return _fused(x, ids, wts, experts, residual)
@@ -575,21 +562,6 @@ def prepare_experts(experts: tuple[tuple[Linear, Linear], ...], device: str) -> 
     """The (gate_up [2I, hidden], down [hidden, I]) Linears of a layer's experts, stacked on
     `device` for `moe`."""
     return StackedExperts.stack(tuple((g.to(device), d.to(device)) for g, d in experts))
-
-
-def _cuda_direct(x: torch.Tensor, t: int, top_k: int, experts: StackedExperts) -> bool:
-    """Whether t tokens' experts run on cuda_q4's direct CTA form (CUDA_MAX_TOKENS)."""
-    if not (CUDA_MAX_TOKENS and 0 < t <= min(CUDA_MAX_TOKENS, DIRECT_MAX_TOKENS)
-            and t * top_k <= experts.num_experts and x.is_cuda):
-        return False
-    from kernels import cuda_q4
-    return cuda_q4.experts_fit(experts, x)
-
-
-def _ranked_fits(experts: StackedExperts) -> bool:
-    """Whether cuda_q4's ranked expert forms take these experts (16 columns a warp)."""
-    from kernels import cuda_q4
-    return cuda_q4.EXPERT_COLS == 16 and experts.num_experts <= cuda_q4.RANK_MAX_E
 
 
 def experts_forward(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
@@ -609,11 +581,13 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
     from DENSE_MIN_TOKENS tokens), the same bits; `tile` and flat (the one-loop form), when
     given, replace both kernels' DENSE_GATE_UP / DENSE_DOWN (bench variants)."""
     t, top_k = ids.shape
-    if (tile is None and seq is None and dense is None and _cuda_direct(x, t, top_k, experts)
+    if (CUDA_MAX_TOKENS and 0 < t <= min(CUDA_MAX_TOKENS, DIRECT_MAX_TOKENS) and tile is None
+            and seq is None and dense is None and t * top_k <= experts.num_experts and x.is_cuda
             and inter.shape == (t * top_k, experts.inter) and y.shape == (t * top_k, experts.hidden)):
-        from kernels import cuda_q4  # the direct split programs' bits
-        cuda_q4.experts_direct(x, ids, experts, inter, y)
-        return
+        from kernels import cuda_q4
+        if cuda_q4.experts_fit(experts, x):  # the direct split programs' bits
+            cuda_q4.experts_direct(x, ids, experts, inter, y)
+            return
     if dense is None:
         dense = (experts.fmt == "q4" and x.device.type == "cuda" and DENSE_MIN_TOKENS is not None
                  and t >= DENSE_MIN_TOKENS and experts.hidden % DENSE_GATE_UP[0].bk == 0

@@ -19,37 +19,23 @@ import triton.language as tl
 from kernels import triton_pdl
 from kernels.linear import Linear
 from kernels.triton_linear import TileConfig, linear
-from kernels.triton_pdl import pdl_release, pdl_wait, pdl_wait_last
+from kernels.triton_pdl import pdl_wait
 
 ROUTER_TILE = TileConfig(bm=16, bn=16, bk=256, warps=4, stages=2)  # f32/q8 routers: many programs
 # assignments examined per step when grouping: the next power of two of T*k, within these
 # bounds (a 4,096-token prefill step scanned 32K ids 256 at a time: 108 µs a layer on the
 # H200); the lists come out the same whatever the step
 SCAN_MIN, SCAN_MAX = 256, 4096
-# The top-k ranked by the logits at every token count and, at one token on CUDA, taken off the
-# MoE's chain: gate_up's and down's CTAs rank their own expert from the router's logits
-# (cuda_q4's ranked forms) and the top-k kernel — still the combine's weights — runs beside
-# gate_up, waiting at its end (triton_moe.moe). False: the top-k by the probabilities, between
-# the router and gate_up (unmeasured; bench/ab_modes.py `topkbeside`)
-TOPK_BESIDE = False
 
 
 # ---- device code ------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["T"])
 def _topk_kernel(logits_ptr, ids_ptr, wts_ptr, T, E, stride_l, TOPK: tl.constexpr,
                  NORM: tl.constexpr, BM: tl.constexpr, E_PAD: tl.constexpr,
-                 PDL: tl.constexpr, BY_LOGITS: tl.constexpr = False, LATE: tl.constexpr = False):
+                 PDL: tl.constexpr):
     """Per row: softmax over E logits, the top-k in descending order (ties to the lower id),
-    renormalized over the k when NORM (the sum in rank order). BY_LOGITS: ranked by the
-    logits (`logit_keys`) rather than the probabilities — the same picks wherever those are
-    distinct, and a rule of exact integers that cuda_q4's ranked expert forms apply to the
-    same logits. LATE (the logits written two or more kernels back): the next kernel may
-    launch at once, this one works and then waits for its predecessor, at its end (its end
-    still follows its predecessor's: `pdl_release`)."""
-    if LATE:
-        pdl_release(PDL)
-    else:
-        pdl_wait(PDL)
+    renormalized over the k when NORM (the sum in rank order)."""
+    pdl_wait(PDL)
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     m_mask = offs_m < T
     offs_e = tl.arange(0, E_PAD)
@@ -57,64 +43,31 @@ def _topk_kernel(logits_ptr, ids_ptr, wts_ptr, T, E, stride_l, TOPK: tl.constexp
     acc = tl.load(logits_ptr + offs_m[:, None] * stride_l + offs_e[None, :],
                   mask=m_mask[:, None] & e_mask[None, :], other=0.0)
     logits = tl.where(e_mask[None, :], acc, float("-inf"))
-    mx = tl.max(logits, axis=1)
-    p = tl.exp(logits - mx[:, None])
-    total_exp = tl.sum(p, axis=1)
-    p = p / total_exp[:, None]
+    p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    p = p / tl.sum(p, axis=1)[:, None]
     p = tl.where(e_mask[None, :], p, -1.0)  # probabilities are >= 0: padding never wins
-    if BY_LOGITS:
-        key = tl.where(e_mask[None, :], logit_keys(acc), -2147483648)  # padding below NaN
-    else:
-        key = p
     total = tl.zeros((BM,), tl.float32)
     if NORM:  # first pass: the sum of the top-k probabilities, in rank order
-        q = key
+        q = p
         for j in tl.static_range(TOPK):
-            idx, best, q = _pick(q, p, mx, total_exp, offs_e, E_PAD, BY_LOGITS)
+            best = tl.max(q, axis=1)
+            idx = tl.min(tl.where(q == best[:, None], offs_e[None, :], E_PAD), axis=1)
             if j == 0:
                 total = best
             else:
                 total = total + best
+            q = tl.where(offs_e[None, :] == idx[:, None], -2.0, q)
     rows = offs_m.to(tl.int64) * TOPK
     for j in tl.static_range(TOPK):  # ties go to the lower expert id
-        idx, best, key = _pick(key, p, mx, total_exp, offs_e, E_PAD, BY_LOGITS)
+        best = tl.max(p, axis=1)
+        idx = tl.min(tl.where(p == best[:, None], offs_e[None, :], E_PAD), axis=1)
         tl.store(ids_ptr + rows + j, idx.to(tl.int32), mask=m_mask)
         if NORM:
             best_w = best / total
         else:
             best_w = best
         tl.store(wts_ptr + rows + j, best_w, mask=m_mask)
-    if LATE:
-        pdl_wait_last(PDL)
-
-
-@triton.jit
-def logit_keys(v):
-    """A logit's order key (cuda_q4's `logit_key`): its bits as int32 with the magnitude bits of
-    negatives flipped, so keys order as the numbers; -0 as +0; NaN below every number."""
-    b = v.to(tl.int32, bitcast=True)
-    k = tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
-    k = tl.where(b == -2147483648, 0, k)
-    return tl.where(v != v, -2147483647, k)
-
-
-@triton.jit
-def _pick(key, p, mx, total_exp, offs_e, E_PAD: tl.constexpr, BY_LOGITS: tl.constexpr):
-    """One round of the top-k over [BM, E_PAD] keys (the probabilities p, or BY_LOGITS the
-    logits' keys): (the pick's id — the greatest key, ties to the lower id — its probability,
-    the keys with the pick taken out). BY_LOGITS the probability is p's arithmetic on the
-    logit the key gives back (row max mx, exp sum total_exp): p's element, no reduction."""
-    best = tl.max(key, axis=1)
-    idx = tl.min(tl.where(key == best[:, None], offs_e[None, :], E_PAD), axis=1)
-    hit = offs_e[None, :] == idx[:, None]
-    if BY_LOGITS:
-        logit = tl.where(best >= 0, best, best ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
-        prob = tl.exp(logit - mx) / total_exp
-        key = tl.where(hit, -2147483648, key)
-    else:
-        prob = best
-        key = tl.where(hit, -2.0, key)
-    return idx, prob, key
+        p = tl.where(offs_e[None, :] == idx[:, None], -2.0, p)
 
 
 @triton.jit(do_not_specialize=["TK", "T"])
@@ -184,24 +137,7 @@ def route(x: torch.Tensor, router: Linear, top_k: int, norm_topk_prob: bool,
     """x [T, hidden] f32, router [E, hidden] → ids [T, k] int32, wts [T, k] f32: the top-k of
     softmax(x @ router.T) in rank order (renormalized over the k when norm_topk_prob)."""
     t = x.shape[0]
-    if logits is None:
-        logits = torch.empty(t, router.out_features, dtype=torch.float32, device=x.device)
-    router_logits(x, router, logits)
-    topk(logits, top_k, norm_topk_prob, ids, wts)
-
-
-def router_logits(x: torch.Tensor, router: Linear, logits: torch.Tensor) -> None:
-    """logits [T, E] f32 = x @ router.T (the router GEMM of `route`)."""
-    if x.shape[0]:
-        linear(router, x, logits, tile=None if router.fmt == "q4" else ROUTER_TILE)
-
-
-def topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, ids: torch.Tensor,
-         wts: torch.Tensor, late: bool = False) -> None:
-    """logits [T, E] f32 → ids [T, k] int32, wts [T, k] f32: `route`'s top-k (by the logits
-    where TOPK_BESIDE). late: the logits were written two or more kernels back, so the kernel
-    works before its PDL wait and waits at its end (TOPK_BESIDE: launched after gate_up)."""
-    t, e = logits.shape
+    e = router.out_features
     if ids.shape != (t, top_k) or ids.dtype != torch.int32 or not ids.is_contiguous():
         raise ValueError("ids: expected contiguous int32 [T, k]")
     if wts.shape != (t, top_k) or wts.dtype != torch.float32 or not wts.is_contiguous():
@@ -210,12 +146,14 @@ def topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, ids: torch.Tens
         raise ValueError(f"top_k {top_k} must be in 1..{e}")
     if t == 0:
         return
+    if logits is None:
+        logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
+    linear(router, x, logits, tile=None if router.fmt == "q4" else ROUTER_TILE)
     bm = 4
     _topk_kernel[(triton.cdiv(t, bm),)](logits, ids, wts, t, e, logits.stride(0), TOPK=top_k,
                                         NORM=norm_topk_prob, BM=bm,
                                         E_PAD=max(16, triton.next_power_of_2(e)), num_warps=2,
-                                        BY_LOGITS=TOPK_BESIDE, LATE=late,
-                                        **triton_pdl.launch(logits))
+                                        **triton_pdl.launch(x))
 
 
 def align(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,8 +6,7 @@ it prefetches what no kernel writes (its weights, into L2), then `pdl_wait` bloc
 previous grid has completed and its writes are visible, and only then reads anything a kernel
 produced. Every kernel launched with PDL calls `pdl_wait` before its first such read, so the
 stream order holds transitively (a kernel completes only after its predecessor did).
-`pdl_wait` also lets the next kernel launch, after the wait: the look-ahead is one kernel
-(the one exception, `pdl_release` before `pdl_wait_last`, makes it two for the kernel after).
+`pdl_wait` also lets the next kernel launch, after the wait: the look-ahead is one kernel.
 
 The arithmetic is untouched, so the bits are those of a plain launch. The interpreter (CPU
 tensors) and older GPUs get plain launches (PDL False: the calls compile away).
@@ -48,8 +47,7 @@ def _hopper_or_later(index: int | None) -> bool:
 # predecessor may still be running then (the look-ahead is one kernel: every kernel lets its
 # dependents launch only after its own wait), so those inputs are final — and what the
 # predecessor wrote after it: the same loads, so the same bits, with their latency under the
-# predecessor's tail (after a `pdl_release` kernel — the top-k beside gate_up — inputs must be
-# three kernels back). Used by the RMSNorm (its weight) and the q/k norm + RoPE + KV store
+# predecessor's tail. Used by the RMSNorm (its weight) and the q/k norm + RoPE + KV store
 # (positions, slots, tables, weights; the position → table load chain is what it shortens).
 # The default since v21 (H100, with cuda_q4.EXPERT_EARLY: 1 stream +5.0% at context 128,
 # +3.2% at 2,048); False: everything after the wait (bench/ab_modes.py `noearly`)
@@ -65,23 +63,6 @@ def launch(t: torch.Tensor) -> dict:
 def early(t: torch.Tensor) -> bool:
     """EARLY for the kernels that take it: older inputs before the wait (EARLY_INPUTS, PDL)."""
     return EARLY_INPUTS and pdl(t)
-
-
-@triton.jit
-def pdl_release(PDL: tl.constexpr):
-    """Let the next kernel launch now, before this one's `pdl_wait_last` (a kernel whose inputs
-    are all final when it starts: it works, then waits at its end, so it still completes
-    after its predecessor). The next kernel's pre-wait code may then run beside this one's
-    predecessor: it may read nothing written fewer than three kernels back."""
-    if PDL:
-        gdc_launch_dependents()
-
-
-@triton.jit
-def pdl_wait_last(PDL: tl.constexpr):
-    """The end-of-kernel wait of a kernel that ran `pdl_release` first."""
-    if PDL:
-        gdc_wait()
 
 
 @triton.jit

@@ -73,11 +73,9 @@ def test_the_expert_cuda_and_early_modes_set_their_knobs_and_leave_the_linear_al
                         "triton_pdl.EARLY_INPUTS, moe_layout.EXPERT_PROGRAMS") == want.split()
 
 
-@pytest.mark.parametrize("mode,want", [("pdl", "None None False"),
-                                       ("pdl_egu96_edn32_topkbeside", "96 32 True")])
-def test_the_expert_split_and_top_k_modes_set_their_knobs(mode, want):
-    assert _knobs(mode, "moe_layout.GU_PROGRAMS, moe_layout.DOWN_PROGRAMS, "
-                        "triton_moe_route.TOPK_BESIDE") == want.split()
+@pytest.mark.parametrize("mode,want", [("pdl", "None None"), ("pdl_egu96_edn32", "96 32")])
+def test_the_expert_split_modes_set_each_gemms_program_count(mode, want):
+    assert _knobs(mode, "moe_layout.GU_PROGRAMS, moe_layout.DOWN_PROGRAMS") == want.split()
 
 
 @pytest.mark.parametrize("mode,want", [("pdl", "128 4 2"), ("pdl_attnbn64_attn8_3", "64 8 3")])

@@ -207,30 +207,6 @@ def test_moe_at_real_shapes_and_bitwise_alone_vs_among_64():
     assert not stacked.gu_tickets.any() and not stacked.down_tickets.any()
 
 
-def test_the_top_k_beside_gate_up_gives_the_chain_bits(monkeypatch):
-    """triton_moe_route.TOPK_BESIDE at one token: gate_up's and down's CTAs rank their expert
-    from the router's logits (cuda_q4's ranked forms), the top-k runs beside gate_up and waits
-    at its end. The token's output: the bits of the route-first chain, and of its row among 5
-    tokens (which take the route-first chain by the logits), in a graph replay too."""
-    router, experts, stacked = real_moe()
-    g = torch.Generator(DEV).manual_seed(9)
-    x = torch.randn(5, 2048, generator=g, device=DEV)
-    res = torch.randn(5, 2048, generator=g, device=DEV)
-    plain = triton_moe.moe(x[2:3].contiguous(), router, stacked, 8, True, res[2:3].contiguous())
-    monkeypatch.setattr(triton_moe_route, "TOPK_BESIDE", True)
-    among = triton_moe.moe(x, router, stacked, 8, True, res)
-    xs, rs = x[2:3].clone(), res[2:3].clone()
-    one = triton_moe.moe(xs, router, stacked, 8, True, rs)
-    assert torch.equal(one, plain) and torch.equal(one, among[2:3])
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = triton_moe.moe(xs, router, stacked, 8, True, rs)
-    for _ in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(replayed, one)
-
-
 def test_long_prefills_split_into_launches_change_no_bits(monkeypatch):
     """Split programs take SPLIT_ROWS rows per launch and the experts' CHUNK_TOKENS tokens per
     pass (bounded partials): a row's bits are those of one launch (of the one-program splits,

@@ -446,55 +446,6 @@ def test_moe_one_program_per_expert_tile_gives_the_bits_of_the_split_programs(mo
     assert torch.isfinite(y).all()
 
 
-def _topk(logits, k, by_logits, monkeypatch, norm=True):
-    monkeypatch.setattr(triton_moe_route, "TOPK_BESIDE", by_logits)
-    t = logits.shape[0]
-    ids, wts = torch.full((t, k), -5, dtype=torch.int32), nan(t, k)
-    triton_moe_route.topk(logits, k, norm, ids, wts)
-    return ids, wts
-
-
-def _ranked_reference(row: torch.Tensor, k: int) -> list[int]:
-    """The top-k by the logits, as cuda_q4's ranked forms count it: the expert whose number of
-    keys above its own (ties: lower ids above) is r, for r < k — keys from the float bits."""
-    b = row.view(torch.int32).tolist()
-    keys = [-2147483647 if v != v else 0 if bb == -2147483648 else bb if bb >= 0 else bb ^ 0x7FFFFFFF
-            for v, bb in zip(row.tolist(), b)]
-    above = [sum(kj > ki or (kj == ki and j < i) for j, kj in enumerate(keys)) for i, ki in enumerate(keys)]
-    return [above.index(r) for r in range(k)]
-
-
-def test_the_top_k_by_the_logits_keeps_the_picks_and_weights_where_probabilities_differ(monkeypatch):
-    """TOPK_BESIDE ranks by the logits at every token count (an exact integer rule cuda_q4's
-    ranked expert forms apply too): on random rows the same ids and the same weight bits as
-    the ranking by probabilities, and the count-the-keys-above rule's picks."""
-    logits = torch.randn(13, 40, generator=gen(21)) * 3
-    for norm in (True, False):
-        want = _topk(logits, 6, False, monkeypatch, norm)
-        got = _topk(logits, 6, True, monkeypatch, norm)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), norm
-    assert all(got[0][i].tolist() == _ranked_reference(logits[i], 6) for i in range(13))
-
-
-def test_the_top_k_by_the_logits_breaks_ties_by_id_with_nan_last(monkeypatch):
-    """Equal logits (and -0 against +0) go to the lower id; NaN ranks below every number,
-    -inf included; logits whose probabilities both underflow to 0 keep their own order (by
-    the probabilities the lower id would win)."""
-    ninf, nan_ = float("-inf"), float("nan")
-    rows = torch.tensor([[0.0, -201.0, -200.0, 1.0, 1.0, -0.0, ninf, 0.5],
-                         [nan_, 2.0, ninf, -0.0, 0.0, nan_, 2.0, -1.0],
-                         [ninf, nan_, ninf, 3.0, nan_, -3.0, ninf, ninf]])
-    ids, wts = _topk(rows, 8, True, monkeypatch, norm=False)
-    assert ids[0].tolist() == [3, 4, 7, 0, 5, 2, 1, 6]
-    assert ids[1].tolist() == [1, 6, 3, 4, 7, 2, 0, 5]
-    assert ids[2].tolist() == [3, 5, 0, 2, 6, 7, 1, 4]
-    assert all(ids[i].tolist() == _ranked_reference(rows[i], 8) for i in range(3))
-    by_p = _topk(rows[:1], 8, False, monkeypatch, norm=False)[0][0].tolist()
-    assert by_p.index(1) < by_p.index(2)  # the probabilities tie at 0: the lower id first
-    p = torch.softmax(rows[0], 0)
-    assert torch.allclose(wts[0], p[ids[0].long()], rtol=1e-6, atol=0)
-
-
 def test_the_expert_splits_follow_the_program_count_read_at_the_stacking(monkeypatch):
     """moe_layout.EXPERT_PROGRAMS is read when a layer's experts are stacked (bench/ab_modes.py
     `eprogN` sets it before the engine loads): the most K splits with n-tiles x splits within
