@@ -157,8 +157,10 @@ def _skip(mode: str) -> None:
     family launches nothing, so the step without it says what it costs in the PDL graph, waits
     and boundaries included (an eager profile counts each kernel alone). The outputs are
     wrong but finite: a skipped kernel's output is its input (`skipcombine`: the residual alone,
-    `skipexperts`: gate_up, down and the combine, `skipmoe`: the whole MoE) or zeros allocated
-    once a shape (`skipnorm`; `skiprope`: q, nothing written to the pool; `skipattn`). Timing only: never with the bitwise tests."""
+    `skipexperts`: gate_up, down and the combine, `skipmoe`: the whole MoE), fixed (`skiptopk`:
+    the router's logits unread, ids and weights fixed) or zeros allocated once a shape
+    (`skipnorm`; `skiprope`: q, nothing written to the pool; `skipattn`). Timing only: never
+    with the bitwise tests."""
     import torch
 
     from kernels import ops, triton_moe_route
@@ -188,5 +190,25 @@ def _skip(mode: str) -> None:
         triton_moe.experts_forward = lambda *args, **kwargs: None
         triton_moe_route.combine = lambda y, wts, out, residual=None: \
             residual if residual is not None else out
+    if 'skiptopk' in mode:  # the top-k alone: fixed ids (token t's rank r: expert (t k + r) mod E)
+        from kernels import triton_moe
+        from kernels.triton_linear import linear
+
+        def moe(x, router, experts, top_k, norm_topk_prob, residual=None):
+            t, dev, e = x.shape[0], x.device, router.out_features
+            key = ("ids", t, top_k, str(dev))
+            if key not in zeros:
+                zeros[key] = (torch.arange(t * top_k, device=dev, dtype=torch.int32) % e).view(t, top_k)
+                zeros[key + ("w",)] = torch.full((t, top_k), 1.0 / top_k, device=dev)
+            ids, wts = zeros[key], zeros[key + ("w",)]
+            linear(router, x, zeros_of((t, e), dev),
+                   tile=None if router.fmt == "q4" else triton_moe_route.ROUTER_TILE)
+            inter = torch.empty(t * top_k, experts.inter, dtype=triton_moe.inter_dtype(experts),
+                                device=dev)
+            y = torch.empty(t * top_k, experts.hidden, dtype=torch.float32, device=dev)
+            triton_moe.experts_forward(x, ids, experts, inter, y)
+            out = torch.empty(t, experts.hidden, dtype=torch.float32, device=dev)
+            return triton_moe_route.combine(y, wts, out, residual)
+        ops.moe = moe
     if 'skipmoe' in mode:  # router, top-k, experts and combine
         ops.moe = lambda x, router, experts, top_k, norm_topk_prob, residual=None: residual

@@ -2,16 +2,15 @@
 # The next session's first device call (kernels/GPU_NOTES.md, "Left undone" item 0), printing
 # as it goes; every step has its own timeout so a hang costs that step only. It re-checks the
 # kernel bits on whatever machine comes, measures 64 streams x 144 new tokens from context 128
-# (v21 found a 108 ms graph capture at the 256-token crossing, 5,999 tok/s on the H200, and
-# moved the first table-width bucket to 32 blocks: unmeasured), takes the defaults' baseline
-# at contexts 128 / 2,048 x 1 / 8 / 64 beside v20's defaults (`noearly_noeidsfirst_eprog128`:
-# the cumulative gain of v21's defaults on this machine; compare only numbers from one call)
-# and the experts' splits apart (`edn96`: gate_up 2, down 3 — one wave of down's CTAs with
-# fewer rounds a warp; `edn128`: 2 / 4; `egu96`: 4 / 2), and qkv / o dequantized once a call
-# from 64 / 16 rows (`ldense64`, `ldense16`: the dense path, 256 rows by default, never
-# measured at decode sizes; the same bits; v21's ncu has the 64-row q4 tile at 8% of DRAM),
-# then Nsight Compute over the one-token kernels (2 and 2 expert splits since v21) and the
-# kernel profile at 1 and 64 streams. Update it when the list changes.
+# (the issue's no-thrash row: 5,999 tok/s on the H200 in v21 with a 108 ms capture step; on
+# the H100 in v22, with the first table-width bucket at 32 blocks, no stall and 99.3% of the
+# 64-token figure — the H200 reading is still owed), takes the defaults' baseline at contexts
+# 128 / 2,048 x 1 / 8 / 64 beside v21's defaults (`mp256`: the linear's splits for 256
+# programs, qkv in 2; v22 moved it to 384, qkv in 4, on the H100 alone), then the ablations
+# of v22 at context 128 x 1 / 64 (what a kernel family costs on the one-token chain: the
+# attention, the top-k, the experts, the whole MoE, the norms; timing only), Nsight Compute
+# over the one-token kernels and the kernel profile at 1 and 64 streams. Update it when the
+# list changes.
 # Usage (on the GPU machine, repo root):   OUT=/some/dir bash bench/gpu_pending.sh
 # (MODES= names ab modes to run beside the defaults; BITWISE_MODES adds the bitwise sets)
 set -u
@@ -31,8 +30,13 @@ KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=3 T_ENGINE=150 MAX_TOKENS=144 ENGINE_MOD
 
 # the defaults (pdl), then any MODES beside them, at the contexts and stream counts of the targets
 KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=${TAIL:-7} T_ENGINE=${T_ENGINE:-150} \
-  ENGINE_MODES="pdl ${MODES-pdl_noearly_noeidsfirst_eprog128 pdl_edn96 pdl_edn128 pdl_egu96 pdl_ldense64 pdl_ldense16}" CONTEXT=128,2048 STREAMS=1,8,64 TAG=_base \
+  ENGINE_MODES="pdl ${MODES-pdl_mp256}" CONTEXT=128,2048 STREAMS=1,8,64 TAG=_base \
   bash bench/gpu_ab.sh 2>&1 | grep -v "^context\|^KV pool"
+
+stamp "ablations (bench/ab_modes.py _skip): a kernel family launches nothing; timing only"
+KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=3 T_ENGINE=100 CONTEXT=128 STREAMS=1,64 TAG=_skip \
+  ENGINE_MODES="${SKIPS-pdl_skipnorm pdl_skipattn pdl_skiptopk pdl_skipexperts pdl_skipmoe}" \
+  bash bench/gpu_ab.sh 2>&1 | grep -v "^context\|^KV pool\|^NVIDIA\|^torch"
 
 stamp "Nsight Compute: the one-token kernels (gate_up, down, qkv, o, the router)"
 PROBE_ARGS="--ms 1 --ts 1" NCU_KERNELS="q4_e|q4_cta" T_NCU=180 bash bench/ncu_probe.sh 2>&1 | tail -26

@@ -20,10 +20,13 @@ import torch
 
 from kernels.linear import QBLOCK, Linear
 
-# target CTAs for one weight at M = 1: qkv S = 2, o 8, router 16. 512 (qkv 4, o 16) ran 1 stream
-# 1.7% faster and 64 streams 4.9% slower on the H200 (GPU_NOTES v9); the split may follow the
-# weight's shape only, so one value serves every batch
-MAX_PROGRAMS = 256
+# target CTAs for one weight at M = 1: qkv S = 4, o 8, router 16 (the split may follow the
+# weight's shape only, so one value serves every batch). Against 256 (qkv 2: its 320 CTAs of
+# 64 threads at 234 registers and a ring of 8, 4 an SM; at 4 splits 128 threads at ~150
+# registers and a ring of 4, still one wave), H100, same call: 1 stream +1.8% at contexts 128
+# and 2,048, 8 streams +1.2%, 64 streams +0.6% / -0.8%; bitwise sets 13/13 (GPU_NOTES v22).
+# 512 (qkv 4, o 16) gains 2.6% at 1 stream and loses 5.5% at 64 (v22; v9 on the H200 alike)
+MAX_PROGRAMS = 384
 MAX_SPLIT = 16
 MAX_ROWS = 8192  # rows per launch, unsplit weights
 SPLIT_ROWS = 512  # rows per launch, split weights: bounds the partials (S x rows x N fp32) and

@@ -56,7 +56,7 @@ def test_the_direct_expert_modes_set_the_prefetch_and_the_fused_launch(mode, wan
     assert _knobs(mode, "triton_moe.PREFETCH_BLOCKS, triton_moe.FUSED") == want.split()
 
 
-@pytest.mark.parametrize("mode,want", [("pdl", "256 16"), ("pdl_mp1024_maxsplit8", "1024 8")])
+@pytest.mark.parametrize("mode,want", [("pdl", "384 16"), ("pdl_mp1024_maxsplit8", "1024 8")])
 def test_the_split_modes_set_the_programs_and_the_split_cap(mode, want):
     assert _knobs(mode, "q4_layout.MAX_PROGRAMS, q4_layout.MAX_SPLIT") == want.split()
 
@@ -104,3 +104,19 @@ def test_the_head_split_and_prefetch_modes_leave_the_split_alone(mode, want):
 def test_the_cuda_launch_modes_leave_the_triton_launches_alone(mode, want):
     assert _knobs(mode, "triton_pdl.ENABLED, cuda_q4.PDL") == want.split()
 
+
+
+def test_the_skip_modes_replace_a_kernel_family_by_its_input_or_cached_zeros():
+    code = ("import torch\nfrom bench.ab_modes import apply\n"
+            "apply('pdl_skipnorm_skipattn_skipcombine_skipmoe')\n"
+            "from kernels import ops, triton_moe_route\n"
+            "x, r = torch.randn(3, 8), torch.randn(2, 8)\n"
+            "n = ops.rms_norm(x, torch.ones(8), 1e-6)\n"
+            "a = ops.paged_attention(torch.randn(2, 4, 16), None, None, None, None, None, 1.0)\n"
+            "c = triton_moe_route.combine(torch.randn(4, 8), torch.ones(2, 2), torch.empty(2, 8), r)\n"
+            "print(float(n.abs().sum()), tuple(n.shape), float(a.abs().sum()), tuple(a.shape),\n"
+            "      c is r, ops.moe(x, None, None, 2, True, r) is r, ops.rms_norm(x, None, 0.0) is n)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["0.0", "(3,", "8)", "0.0", "(2,", "4,", "16)", "True", "True",
+                                  "True"]
