@@ -77,6 +77,9 @@ def apply(mode: str) -> None:
         triton_moe.PREFETCH_BLOCKS = None
     elif re.search(r'eprefetch[0-9]+', mode):  # ... or this many blocks of it
         triton_moe.PREFETCH_BLOCKS = int(re.search(r'eprefetch([0-9]+)', mode).group(1))
+    if 'clusterroute' in mode:  # the CUDA top-k everywhere; router + top-k one launch at 1 token
+        from kernels import triton_moe_route
+        triton_moe_route.CUDA_ROUTE = True
     if 'skip' in mode:  # ablations: timing only, the tokens are wrong (see `_skip`)
         _skip(mode)
     if 'fusedmoe' in mode:  # direct experts and combine in one launch (triton_moe.FUSED)

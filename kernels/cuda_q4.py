@@ -593,11 +593,13 @@ __device__ __forceinline__ void q4_swap(const float* __restrict__ x, const unsig
 // order 0..S-1 through shared memory (no ticket, no partials in global memory) and the residual
 // added: q4_split's arithmetic in q4_split's order, so its bits. grid (N / (8 NT), 1,
 // cdiv(M, 16)); block 32 S; dynamic shared memory S x 16 x 8 NT floats.
+// (cta_partials: up to the split partials in shared memory, after the CTA's barrier; the
+// route kernel (kernels/cuda_route.py) merges them its own way)
 template <bool ROWS16, int NT, int D>
-__device__ __forceinline__ void q4_cta(const float* __restrict__ x, const unsigned char* __restrict__ qs,
-                                       const unsigned* __restrict__ sm, const float* __restrict__ res,
-                                       float* __restrict__ y, int M, int N, int K, int stride_x,
-                                       int stride_res, int stride_y, int S, int has_res) {
+__device__ __forceinline__ float* cta_partials(const float* __restrict__ x,
+                                               const unsigned char* __restrict__ qs,
+                                               const unsigned* __restrict__ sm, int M, int N,
+                                               int K, int stride_x, int S) {
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int C = 8 * NT;
   float* part = reinterpret_cast<float*>(smem);  // [S][16][C]
@@ -623,6 +625,17 @@ __device__ __forceinline__ void q4_cta(const float* __restrict__ x, const unsign
     *reinterpret_cast<float2*>(mine + (g + 8) * C + cc) = make_float2(acc[i][2], acc[i][3]);
   }
   __syncthreads();
+  return part;
+}
+
+template <bool ROWS16, int NT, int D>
+__device__ __forceinline__ void q4_cta(const float* __restrict__ x, const unsigned char* __restrict__ qs,
+                                       const unsigned* __restrict__ sm, const float* __restrict__ res,
+                                       float* __restrict__ y, int M, int N, int K, int stride_x,
+                                       int stride_res, int stride_y, int S, int has_res) {
+  constexpr int C = 8 * NT;
+  const float* part = cta_partials<ROWS16, NT, D>(x, qs, sm, M, N, K, stride_x, S);
+  const int n0 = blockIdx.x * C, m0 = blockIdx.z * 16;
   for (int e = threadIdx.x; e < 16 * C; e += blockDim.x) {
     const int r = m0 + e / C;
     if (r >= M) continue;
@@ -786,12 +799,14 @@ def _nvrtc() -> ctypes.CDLL:
     return ctypes.CDLL(lib)
 
 
-def ptx(arch: str = "compute_90", cache: bool = True, part: str = "core") -> bytes:
-    """SOURCE with part's kernels (CORE or EXTRA) compiled by NVRTC for `arch` (no GPU needed;
-    2.8 s for the core, 7.5 s for the rest on a 2-core CPU), kept in CACHE_DIR under a hash of
-    the source, the arch, the options and the NVRTC library, so later processes load it at
-    once (cache False: compile anyway, keep nothing)."""
-    source = SOURCE + {"core": CORE, "extra": EXTRA}[part]
+def ptx(arch: str = "compute_90", cache: bool = True, part: str = "core",
+        entries: str | None = None) -> bytes:
+    """SOURCE with part's kernels (CORE or EXTRA; `entries`: another module's, e.g.
+    kernels/cuda_route.py's) compiled by NVRTC for `arch` (no GPU needed; 2.8 s for the core,
+    7.5 s for the rest on a 2-core CPU), kept in CACHE_DIR under a hash of the source, the arch,
+    the options and the NVRTC library, so later processes load it at once (cache False:
+    compile anyway, keep nothing)."""
+    source = SOURCE + (entries if entries is not None else {"core": CORE, "extra": EXTRA}[part])
     key = hashlib.sha256("\0".join((source, arch, " ".join(_OPTIONS), _find("libnvrtc.so*[0-9]")
                                      or "", _find("cuda_fp16.h") or "")).encode()).hexdigest()
     cache = cache and CACHE_DIR is not None
@@ -888,10 +903,12 @@ _BIG_SMEM: set = set()  # kernels given more than 48 KB of dynamic shared memory
 _TICKETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Q4Linear → {key: tickets}
 
 
-def _load(cuda: ctypes.CDLL, device: int, part: str, names: tuple) -> dict:
-    """{entry: function} of part's module, loaded into torch's context on `device`."""
+def _load(cuda: ctypes.CDLL, device: int, part: str, names: tuple,
+          entries: str | None = None) -> dict:
+    """{entry: function} of part's module (or of `entries`, as `ptx`), loaded into torch's
+    context on `device`."""
     major, minor = torch.cuda.get_device_capability(device)
-    code = ptx(f"compute_{major}{minor}", part=part)
+    code = ptx(f"compute_{major}{minor}", part=part, entries=entries)
     mod = ctypes.c_void_p()
     with torch.cuda.device(device):  # the device's primary context current on this thread
         torch.zeros(1, device=f"cuda:{device}")

@@ -207,6 +207,73 @@ def test_moe_at_real_shapes_and_bitwise_alone_vs_among_64():
     assert not stacked.gu_tickets.any() and not stacked.down_tickets.any()
 
 
+def _topk64(logits, k):
+    """float64 top-k: softmax, picks by probability descending, ties to the lower id, NaN last;
+    weights renormalized over the k."""
+    p = torch.softmax(logits.double().nan_to_num(float("-inf")), dim=-1)
+    p = torch.where(logits.isnan(), -1.0, p)
+    order = sorted(range(p.shape[0]), key=lambda i: (-float(p[i]), i))[:k]
+    w = p[order]
+    return order, w / w.sum()
+
+
+def test_the_cuda_top_k_against_float64_and_alone_vs_among(monkeypatch):
+    """kernels/cuda_route.py `topk`: the float64 picks (ties to the lower id, NaN last) and
+    weights, at E 64 / 128 / 256; a row's ids and weights the same alone and among 40."""
+    from kernels import cuda_route
+    if not cuda_route.available(0):
+        pytest.skip("cuda_route needs sm_90")
+    g = torch.Generator(DEV).manual_seed(11)
+    for e in (64, 128, 256):
+        logits = torch.randn(40, e, generator=g, device=DEV) * 3
+        logits[1, 5] = logits[1, 9] = logits[1].max() + 1  # a tie at the top: 5 first
+        logits[2, 3] = float("nan")
+        ids = torch.full((40, 8), -5, dtype=torch.int32, device=DEV)
+        wts = nan(40, 8)
+        cuda_route.topk(logits, 8, True, ids, wts)
+        for r in range(40):
+            want, w = _topk64(logits[r], 8)
+            assert ids[r].tolist() == want, (e, r)
+            assert torch.allclose(wts[r].double(), w, rtol=1e-5, atol=0), (e, r)
+        assert ids[1, :2].tolist() == [5, 9] and 3 not in ids[2].tolist()
+        for r in (0, 17, 39):
+            one_i = torch.empty(1, 8, dtype=torch.int32, device=DEV)
+            one_w = torch.empty(1, 8, device=DEV)
+            cuda_route.topk(logits[r:r + 1].contiguous(), 8, True, one_i, one_w)
+            assert torch.equal(one_i[0], ids[r]) and torch.equal(one_w[0], wts[r]), (e, r)
+        raw = torch.empty(40, 8, device=DEV)
+        cuda_route.topk(logits, 8, False, ids, raw)  # unnormalized: the probabilities
+        assert torch.allclose(raw[0].double(), torch.softmax(logits[0].double(), -1)[ids[0].long()],
+                              rtol=1e-5)
+
+
+def test_the_one_token_route_gives_the_router_bits_and_their_top_k(monkeypatch):
+    """One token: the cluster launch's logits are the CTA router's bits, its ids and weights
+    the CUDA top-k's of them; the MoE under CUDA_ROUTE gives a row the same output alone as
+    among 5 and 40 rows."""
+    from kernels import cuda_route
+    if not cuda_route.available(0):
+        pytest.skip("cuda_route needs sm_90")
+    router, experts, stacked = real_moe()
+    g = torch.Generator(DEV).manual_seed(12)
+    x = torch.randn(40, 2048, generator=g, device=DEV)
+    assert cuda_route.route_fits(x[:1], router, 8)
+    for r in (0, 7, 39):
+        xr = x[r:r + 1].contiguous()
+        logits, ids, wts = nan(1, 128), torch.full((1, 8), -5, dtype=torch.int32, device=DEV), nan(1, 8)
+        cuda_route.route(xr, router, logits, 8, True, ids, wts)
+        want = triton_linear.linear(router, xr, nan(1, 128))
+        assert torch.equal(logits, want), r
+        i2, w2 = torch.empty_like(ids), torch.empty_like(wts)
+        cuda_route.topk(want, 8, True, i2, w2)
+        assert torch.equal(ids, i2) and torch.equal(wts, w2), r
+    monkeypatch.setattr(triton_moe_route, "CUDA_ROUTE", True)
+    ids, wts, out = _moe(x, router, stacked)
+    for m in (1, 5):
+        i1, w1, o1 = _moe(x[-m:].contiguous(), router, stacked)
+        assert torch.equal(i1, ids[-m:]) and torch.equal(w1, wts[-m:]) and torch.equal(o1, out[-m:]), m
+
+
 def test_long_prefills_split_into_launches_change_no_bits(monkeypatch):
     """Split programs take SPLIT_ROWS rows per launch and the experts' CHUNK_TOKENS tokens per
     pass (bounded partials): a row's bits are those of one launch (of the one-program splits,
