@@ -120,3 +120,9 @@ def test_the_skip_modes_replace_a_kernel_family_by_its_input_or_cached_zeros():
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["0.0", "(3,", "8)", "0.0", "(2,", "4,", "16)", "True", "True",
                                   "True"]
+
+
+@pytest.mark.parametrize("mode,want", [("pdl", "False"), ("pdl_clusterroute", "True"),
+                                       ("pdl_cudarouter", "False")])
+def test_the_cluster_route_mode_turns_on_the_cuda_route_alone(mode, want):
+    assert _knobs(mode, "triton_moe_route.CUDA_ROUTE") == want.split()
