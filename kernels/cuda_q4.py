@@ -880,6 +880,11 @@ EXTRA_ENTRIES += tuple(f"q4_swap{mt}_{ng}_w{w}".encode() for mt, ng, w in SWAP_F
 STREAM = 0  # the depth that names the other form: the warp's split streamed into shared memory
 COLS = 16  # columns a warp by default (the fastest at 1-8 rows of qkv, GPU_NOTES v15)
 DEPTH = 8  # blocks a warp keeps in flight (register ring slots), or STREAM
+# 8 columns a warp for a weight whose 16-column CTAs would not fill the SMs (o at 2,048
+# outputs: 128 CTAs of 8 splits, 1 an SM at 150 registers; at 8 columns 256 CTAs at ~115, 2
+# an SM, twice the warps in flight). Columns a warp change no bit. False: COLS everywhere
+# (unmeasured; bench/ab_modes.py `fillcols`; v22: the router alone at 8 columns, `rcols8`, +0.4%)
+FILL_COLS = False
 # the CTA form (q4_cta: a CTA's warps run a column tile's splits, merged in shared memory)
 # instead of split programs with a ticket merge in global memory, where the weight is split
 CTA = True
@@ -1004,6 +1009,8 @@ def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
     a column tile (`warps` ignored)."""
     n, big_n, k = x.shape[0], lin.out_features, lin.in_features
     chosen = depth is not None
+    if cols is None and FILL_COLS and big_n % 8 == 0 and x.is_cuda and big_n // COLS < _sms(x):
+        cols = 8
     cols, depth = cols or COLS, DEPTH if depth is None else depth
     cta = CTA if cta is None else cta
     if cta and probe is None and depth != STREAM and cta_takes(lin, cols):
@@ -1037,6 +1044,16 @@ def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
                 (r1 - r0, big_n, k, xs.stride(0), res.stride(0), ys.stride(0), lin.split,
                  int(residual is not None)))
     return out
+
+
+@functools.cache
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _sms(x: torch.Tensor) -> int:
+    """x's device's SM count."""
+    return _sm_count(x.device.index or 0)
 
 
 def cta_takes(lin: Q4Linear, cols: int) -> bool:

@@ -126,3 +126,8 @@ def test_the_skip_modes_replace_a_kernel_family_by_its_input_or_cached_zeros():
                                        ("pdl_cudarouter", "False")])
 def test_the_cluster_route_mode_turns_on_the_cuda_route_alone(mode, want):
     assert _knobs(mode, "triton_moe_route.CUDA_ROUTE") == want.split()
+
+
+@pytest.mark.parametrize("mode,want", [("pdl", "False 16"), ("pdl_fillcols", "True 16")])
+def test_the_fillcols_mode_narrows_only_the_weights_that_do_not_fill_the_sms(mode, want):
+    assert _knobs(mode, "cuda_q4.FILL_COLS, cuda_q4.COLS") == want.split()
