@@ -91,3 +91,22 @@ def test_only_the_command_line_reads_the_environment():
                 wrong.append(f"{name} reads the environment (line {', '.join(map(str, lines))})")
     assert not wrong, "\n".join(wrong)
     assert reading == READS_ENVIRONMENT, "an allowed module no longer reads it: drop it from the list"
+
+
+def test_no_test_module_collected_before_the_interpreter_tests_imports_triton():
+    """tests/kernels/test_triton_kernels.py must import Triton first in its process (it sets
+    TRITON_INTERPRET=1, or skips the whole file): an xdist worker collects every test module,
+    in path order, so none collected before it may import Triton at module level."""
+    import subprocess
+    import sys
+
+    first = ROOT / "tests" / "kernels" / "test_triton_kernels.py"
+    before = [p for p in sorted((ROOT / "tests").rglob("test_*.py"))
+              if str(p) < str(first) and p.name not in ("test_gpu.py", "test_cuda.py")]
+    mods = [".".join(p.relative_to(ROOT).with_suffix("").parts) for p in before]
+    code = ("import importlib, sys\nfor m in %r:\n    importlib.import_module(m)\n"
+            "print([m for m in sys.modules if m == 'triton'])") % (mods,)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["[]"], "a test module imports triton before the interpreter tests"
