@@ -8,8 +8,9 @@
 # 128 / 2,048 x 1 / 8 / 64 beside v21's defaults (`mp256`: the linear's splits for 256
 # programs, qkv in 2; v22 moved it to 384, qkv in 4, on the H100 alone) and the router + top-k
 # as one cluster launch (`clusterroute`, kernels/cuda_route.py: built after v22's device
-# time; its GPU tests run first) and o at 8 columns a warp (`fillcols`: 256 CTAs, 2 an SM, where
-# 16 columns give 128, 1 an SM), then the ablations
+# time; its GPU tests run first), o at 8 columns a warp (`fillcols`: 256 CTAs, 2 an SM, where
+# 16 columns give 128, 1 an SM) and the RMSNorm on a CUDA kernel of one fixed order
+# (`cudanorm`: the step before folding it into the next kernel's CTAs), then the ablations
 # of v22 at context 128 x 1 / 64 (what a kernel family costs on the one-token chain: the
 # attention, the top-k, the experts, the whole MoE, the norms; timing only), Nsight Compute
 # over the one-token kernels and the kernel profile at 1 and 64 streams. Update it when the
@@ -26,8 +27,8 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 
 stamp "bits: cuda_q4 (CTA form, PDL chain in a graph, direct experts), the MoE, paged attention"
 timeout 200 python -m pytest -q -n 0 tests/kernels/test_cuda_q4.py 2>&1 | tail -4
-timeout 150 python -m pytest -q -n 0 tests/kernels/test_cuda_route.py tests/kernels/test_gpu.py \
-  -k "moe_at_real or paged_attention_at_real or norms_rope or cuda_top_k or one_token_route or compiles_for_hopper_as" 2>&1 | tail -3
+timeout 150 python -m pytest -q -n 0 tests/kernels/test_cuda_route.py tests/kernels/test_cuda_norm.py tests/kernels/test_gpu.py \
+  -k "moe_at_real or paged_attention_at_real or norms_rope or cuda_top_k or one_token_route or cuda_rms_norm or compiles_for_hopper" 2>&1 | tail -3
 
 stamp "64 streams x 144 new tokens from context 128 (the longest step is printed when it stalls)"
 KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=3 T_ENGINE=150 MAX_TOKENS=144 ENGINE_MODES="pdl" CONTEXT=128 STREAMS=64 \
@@ -35,10 +36,10 @@ KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=3 T_ENGINE=150 MAX_TOKENS=144 ENGINE_MOD
 
 # the defaults (pdl), then any MODES beside them, at the contexts and stream counts of the targets
 KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=${TAIL:-7} T_ENGINE=${T_ENGINE:-150} \
-  ENGINE_MODES="pdl ${MODES=pdl_mp256 pdl_clusterroute pdl_fillcols}" CONTEXT=128,2048 STREAMS=1,8,64 TAG=_base \
+  ENGINE_MODES="pdl ${MODES=pdl_mp256 pdl_clusterroute pdl_fillcols pdl_cudanorm}" CONTEXT=128,2048 STREAMS=1,8,64 TAG=_base \
   bash bench/gpu_ab.sh 2>&1 | grep -v "^context\|^KV pool"
-# a mode 1.5% faster than the defaults at 128 x 1 (and not 1% slower at 128 x 64) gets the
-# engine's bitwise sets at the end (the judge before it may become a default)
+# the fastest mode at 128 x 1, if 1.5% faster than the defaults there (and not 1% slower at
+# 128 x 64), gets the engine's bitwise sets at the end (the judge before it may become a default)
 WINNERS=$(OUT="$OUT" MODES="$MODES" python - <<'PY'
 import json, os
 out = os.environ.get("OUT", "/tmp/fedserve-gpu")
@@ -48,14 +49,15 @@ def rows(m):
             return {(r["context"], r["streams"]): r["decode_tok_per_s"] for r in json.load(f)["rows"]}
     except (OSError, KeyError, ValueError):
         return None
-base = rows("pdl")
+base, best, top = rows("pdl"), "", 1.015
 for m in os.environ["MODES"].split():
     r = rows(m)
-    if base and r and r[(128, 1)] > 1.015 * base[(128, 1)] and r[(128, 64)] > 0.99 * base[(128, 64)]:
-        print(m)
+    if base and r and r[(128, 1)] > top * base[(128, 1)] and r[(128, 64)] > 0.99 * base[(128, 64)]:
+        best, top = m, r[(128, 1)] / base[(128, 1)]
+print(best)
 PY
 )
-echo "faster than the defaults: ${WINNERS:-none}"
+echo "fastest beside the defaults: ${WINNERS:-none}"
 
 stamp "ablations (bench/ab_modes.py _skip): a kernel family launches nothing; timing only"
 KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=3 T_ENGINE=100 CONTEXT=128 STREAMS=1,64 TAG=_skip \

@@ -954,6 +954,19 @@ def _functions(device: int) -> tuple[ctypes.CDLL, dict]:
     return cuda, _Functions(cuda, device)
 
 
+def module(device: int, part: str, entries: str, names: tuple) -> tuple:
+    """(libcuda, {entry: function}) of another kernel family's module built on SOURCE
+    (kernels/cuda_route.py, kernels/cuda_norm.py: `entries` its kernels, `part` its cache
+    name), compiled and loaded once a device."""
+    return _module(device, part, entries, names)
+
+
+@functools.cache
+def _module(device: int, part: str, entries: str, names: tuple) -> tuple:
+    cuda, _ = _functions(device)
+    return cuda, _load(cuda, device, part, names, entries=entries)
+
+
 _UNAVAILABLE: dict = {}  # device → why the kernels could not be built or loaded there
 
 

@@ -26,8 +26,6 @@ Needs sm_90 (clusters); `fits` says where it runs. GPU tests: tests/kernels/test
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from kernels import cuda_q4
@@ -174,11 +172,9 @@ def ptx(arch: str = "compute_90", cache: bool = True) -> bytes:
     return cuda_q4.ptx(arch, cache, part="route", entries=ROUTE)
 
 
-@functools.cache
 def _functions(device: int) -> tuple:
     """(libcuda, {entry: function}) of the route module on `device`."""
-    cuda, _ = cuda_q4._functions(device)
-    return cuda, cuda_q4._load(cuda, device, "route", ENTRIES, entries=ROUTE)
+    return cuda_q4.module(device, "route", ROUTE, ENTRIES)
 
 
 def available(device: int) -> bool:

@@ -16,6 +16,11 @@ from kernels.triton_pdl import pdl_wait
 
 SOFTMAX_CHUNK = 4096  # elements per step of the chunked softmax (fixed)
 ROPE_HEADS = 8  # query heads a qkv_rope_store program norms and rotates (a head's bits: its own)
+# RMSNorm on kernels/cuda_norm.py (a warp a row, one fixed order a CUDA kernel can repeat: the
+# step before folding the norm into the next kernel's CTAs) at every row count its widths
+# take; other bits than this file's kernel. False: Triton (unmeasured; bench/ab_modes.py
+# `cudanorm`)
+CUDA_NORM = False
 
 
 @triton.jit
@@ -50,6 +55,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     if out.shape != x.shape or not out.is_contiguous():
         raise ValueError("rms_norm: out must be contiguous, shaped like x")
+    if rows.shape[0] and CUDA_NORM and x.is_cuda:
+        from kernels import cuda_norm
+        if cuda_norm.fits(rows, weight):
+            cuda_norm.rms_norm(rows, weight, eps, out.view(-1, k))
+            return out
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, k, rows.stride(0), k, eps,
                                            BLOCK=triton.next_power_of_2(k),

@@ -12,7 +12,7 @@ import pytest
 def _knobs(mode: str, expr: str) -> list[str]:
     code = (f"from bench.ab_modes import apply\napply({mode!r})\n"
             "from kernels import cuda_q4, moe_layout, q4_layout, triton_attention, triton_linear, "
-            "triton_moe, triton_moe_route, triton_pdl\n"
+            "triton_moe, triton_moe_route, triton_norm, triton_pdl\n"
             "from replica import memory\n"
             f"print({expr})")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -131,3 +131,8 @@ def test_the_cluster_route_mode_turns_on_the_cuda_route_alone(mode, want):
 @pytest.mark.parametrize("mode,want", [("pdl", "False 16"), ("pdl_fillcols", "True 16")])
 def test_the_fillcols_mode_narrows_only_the_weights_that_do_not_fill_the_sms(mode, want):
     assert _knobs(mode, "cuda_q4.FILL_COLS, cuda_q4.COLS") == want.split()
+
+
+@pytest.mark.parametrize("mode,want", [("pdl", "False"), ("pdl_cudanorm", "True")])
+def test_the_cudanorm_mode_puts_the_rms_norm_on_the_cuda_kernel(mode, want):
+    assert _knobs(mode, "triton_norm.CUDA_NORM") == [want]

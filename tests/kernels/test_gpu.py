@@ -274,6 +274,31 @@ def test_the_one_token_route_gives_the_router_bits_and_their_top_k(monkeypatch):
         assert torch.equal(i1, ids[-m:]) and torch.equal(w1, wts[-m:]) and torch.equal(o1, out[-m:]), m
 
 
+def test_the_cuda_rms_norm_against_float64_alone_vs_among_and_unaligned(monkeypatch):
+    """kernels/cuda_norm.py: float64's RMSNorm within fp32 rounding at K 512-2,048; a row's bits
+    alone, among 70 rows, and read from an unaligned copy (scalar loads); rms_norm routes to
+    it under CUDA_NORM."""
+    from kernels import cuda_norm
+    g = torch.Generator(DEV).manual_seed(13)
+    for k in (512, 1024, 2048):
+        x = torch.randn(70, k, generator=g, device=DEV) * 3
+        w = torch.randn(k, generator=g, device=DEV)
+        assert cuda_norm.fits(x, w)
+        out = cuda_norm.rms_norm(x, w, 1e-6, nan(70, k))
+        ref = x.double() * torch.rsqrt((x.double() ** 2).mean(-1, keepdim=True) + 1e-6) * w.double()
+        assert rel_err(out, ref) < 1e-6, k
+        for r in (0, 33, 69):
+            assert torch.equal(cuda_norm.rms_norm(x[r:r + 1], w, 1e-6, nan(1, k))[0], out[r]), (k, r)
+        buf = torch.empty(k + 1, device=DEV)
+        buf[1:].copy_(x[5])
+        odd = buf[1:].view(1, k)
+        assert odd.data_ptr() % 16
+        assert torch.equal(cuda_norm.rms_norm(odd, w, 1e-6, nan(1, k))[0], out[5]), k
+        monkeypatch.setattr(triton_norm, "CUDA_NORM", True)
+        assert torch.equal(triton_norm.rms_norm(x, w, 1e-6), out), k
+        monkeypatch.setattr(triton_norm, "CUDA_NORM", False)
+
+
 def test_long_prefills_split_into_launches_change_no_bits(monkeypatch):
     """Split programs take SPLIT_ROWS rows per launch and the experts' CHUNK_TOKENS tokens per
     pass (bounded partials): a row's bits are those of one launch (of the one-program splits,
