@@ -122,17 +122,12 @@ def test_the_skip_modes_replace_a_kernel_family_by_its_input_or_cached_zeros():
                                   "True"]
 
 
-@pytest.mark.parametrize("mode,want", [("pdl", "False"), ("pdl_clusterroute", "True"),
-                                       ("pdl_cudarouter", "False")])
-def test_the_cluster_route_mode_turns_on_the_cuda_route_alone(mode, want):
-    assert _knobs(mode, "triton_moe_route.CUDA_ROUTE") == want.split()
-
-
-@pytest.mark.parametrize("mode,want", [("pdl", "False 16"), ("pdl_fillcols", "True 16")])
-def test_the_fillcols_mode_narrows_only_the_weights_that_do_not_fill_the_sms(mode, want):
-    assert _knobs(mode, "cuda_q4.FILL_COLS, cuda_q4.COLS") == want.split()
-
-
-@pytest.mark.parametrize("mode,want", [("pdl", "False"), ("pdl_cudanorm", "True")])
-def test_the_cudanorm_mode_puts_the_rms_norm_on_the_cuda_kernel(mode, want):
-    assert _knobs(mode, "triton_norm.CUDA_NORM") == [want]
+@pytest.mark.parametrize("mode,want", [("pdl", "False False 16 False"),
+                                       ("pdl_clusterroute", "True False 16 False"),
+                                       ("pdl_cudarouter", "False False 16 False"),
+                                       ("pdl_fillcols_cudanorm", "False True 16 True")])
+def test_the_v22_experiment_modes_turn_on_their_knob_alone(mode, want):
+    """clusterroute: the CUDA route (cudarouter, an older mode, does not); fillcols: 8 columns
+    only where 16 do not fill the SMs (COLS stays); cudanorm: the CUDA RMSNorm."""
+    assert _knobs(mode, "triton_moe_route.CUDA_ROUTE, cuda_q4.FILL_COLS, cuda_q4.COLS, "
+                        "triton_norm.CUDA_NORM") == want.split()

@@ -4,19 +4,17 @@ are checked on a GPU (tests/kernels/test_gpu.py)."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 
 import pytest
 import torch
 
-from kernels import cuda_norm, cuda_q4  # (no Triton here: test_triton_kernels.py interprets it)
+from kernels import cuda_norm  # (no Triton here: test_triton_kernels.py interprets it)
+from tests.kernels import ptxas
 
-HAVE_NVRTC = cuda_q4._find("libnvrtc.so*[0-9]") is not None and cuda_q4._find("cuda_fp16.h") is not None
 
 
-@pytest.mark.skipif(not HAVE_NVRTC, reason="needs NVRTC and the CUDA headers")
+@pytest.mark.skipif(not ptxas.HAVE_NVRTC, reason="needs NVRTC and the CUDA headers")
 def test_the_norm_module_compiles_for_hopper_without_spills_weights_before_the_wait(tmp_path):
     code = cuda_norm.ptx("compute_90")
     assert set(re.findall(rb"\.entry (\w+)\(", code)) == set(cuda_norm.ENTRIES)
@@ -25,17 +23,9 @@ def test_the_norm_module_compiles_for_hopper_without_spills_weights_before_the_w
         assert body.index("ld.global.nc.v4.f32") < wait, name  # the weight: before
         assert "ld.global.v4.f32" in body[wait:] or "ld.global.f32" in body[wait:], name  # x: after
         assert body.count("shfl.sync.bfly") == 5, name  # one butterfly: the row's sum
-    triton = pytest.importorskip("triton")
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    src = tmp_path / "norm.ptx"
-    src.write_bytes(code)
-    out = subprocess.run([ptxas, "-arch=sm_90", "-v", str(src), "-o", str(tmp_path / "n.cubin")],
-                         capture_output=True, text=True)
-    if "Unsupported .version" in out.stderr:  # NVRTC newer than Triton's ptxas
-        pytest.skip(f"{ptxas} is older than NVRTC: {out.stderr.strip()[:200]}")
-    assert out.returncode == 0, out.stderr
-    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", out.stderr)]
-    assert len(spills) == len(cuda_norm.ENTRIES) and not any(spills)
+    built = ptxas.report(code, tmp_path)
+    assert set(built) == {n.decode() for n in cuda_norm.ENTRIES}
+    assert not any(spill for _, spill in built.values())
 
 
 def test_the_cuda_norm_declines_cpu_tensors_and_other_widths():

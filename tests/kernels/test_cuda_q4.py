@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from kernels import cuda_q4
+from tests.kernels import ptxas
 
-HAVE_NVRTC = cuda_q4._find("libnvrtc.so*[0-9]") is not None and cuda_q4._find("cuda_fp16.h") is not None
+HAVE_NVRTC = ptxas.HAVE_NVRTC
 
 
 @pytest.mark.skipif(not HAVE_NVRTC, reason="needs NVRTC and the CUDA headers (nvidia-cuda-nvrtc-cu12, "
@@ -26,17 +27,9 @@ def test_the_cuda_q4_source_compiles_for_hopper_without_spills(tmp_path, part):
     names = cuda_q4.ENTRIES if part == "core" else cuda_q4.EXTRA_ENTRIES
     assert set(re.findall(rb"\.entry (\w+)\(", code)) == set(names)
     assert code.count(b"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") >= 32
-    triton = pytest.importorskip("triton")
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    src = tmp_path / "cuda_q4.ptx"
-    src.write_bytes(code)
-    out = subprocess.run([ptxas, "-arch=sm_90", "-v", str(src), "-o", str(tmp_path / "q4.cubin")],
-                         capture_output=True, text=True)
-    if "Unsupported .version" in out.stderr:  # NVRTC newer than Triton's ptxas
-        pytest.skip(f"{ptxas} is older than NVRTC: {out.stderr.strip()[:200]}")
-    assert out.returncode == 0, out.stderr
-    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", out.stderr)]
-    assert len(spills) == len(names) and not any(spills)
+    built = ptxas.report(code, tmp_path)
+    assert set(built) == {n.decode() for n in names}
+    assert not any(spill for _, spill in built.values())
 
 
 @pytest.mark.skipif(not HAVE_NVRTC, reason="needs NVRTC and the CUDA headers")

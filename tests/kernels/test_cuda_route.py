@@ -4,19 +4,17 @@ side declines CPU tensors. Its values are checked on a GPU (tests/kernels/test_g
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 
 import pytest
 import torch
 
-from kernels import cuda_q4, cuda_route  # (no Triton here: test_triton_kernels.py interprets it)
+from kernels import cuda_route  # (no Triton here: test_triton_kernels.py interprets it)
+from tests.kernels import ptxas
 
-HAVE_NVRTC = cuda_q4._find("libnvrtc.so*[0-9]") is not None and cuda_q4._find("cuda_fp16.h") is not None
 
 
-@pytest.mark.skipif(not HAVE_NVRTC, reason="needs NVRTC and the CUDA headers")
+@pytest.mark.skipif(not ptxas.HAVE_NVRTC, reason="needs NVRTC and the CUDA headers")
 def test_the_route_module_compiles_for_hopper_as_a_cluster_without_spills(tmp_path):
     code = cuda_route.ptx("compute_90")
     assert set(re.findall(rb"\.entry (\w+)\(", code)) == set(cuda_route.ENTRIES)
@@ -29,20 +27,10 @@ def test_the_route_module_compiles_for_hopper_as_a_cluster_without_spills(tmp_pa
     assert route.count("barrier.cluster.arrive") == 2 and route.count("barrier.cluster.wait") == 2
     assert "mapa.shared::cluster" in route and "st.shared::cluster.f32" in route
     assert route.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") >= 4
-    triton = pytest.importorskip("triton")
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    src = tmp_path / "route.ptx"
-    src.write_bytes(code)
-    out = subprocess.run([ptxas, "-arch=sm_90", "-v", str(src), "-o", str(tmp_path / "r.cubin")],
-                         capture_output=True, text=True)
-    if "Unsupported .version" in out.stderr:  # NVRTC newer than Triton's ptxas
-        pytest.skip(f"{ptxas} is older than NVRTC: {out.stderr.strip()[:200]}")
-    assert out.returncode == 0, out.stderr
-    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", out.stderr)]
-    regs = dict(zip(re.findall(r"Compiling entry function '(\w+)'", out.stderr),
-                    map(int, re.findall(r"Used (\d+) registers", out.stderr))))
-    assert len(spills) == len(cuda_route.ENTRIES) and not any(spills)
-    assert regs["q4_route8_2_d2"] <= 128  # 512 threads a CTA, one CTA an SM
+    built = ptxas.report(code, tmp_path)
+    assert set(built) == {n.decode() for n in cuda_route.ENTRIES}
+    assert not any(spill for _, spill in built.values())
+    assert built["q4_route8_2_d2"][0] <= 128  # 512 threads a CTA, one CTA an SM
 
 
 def test_the_route_declines_what_it_cannot_take():
