@@ -119,6 +119,12 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// ring_acc's wait (after its first weight loads): pdl_wait, or a caller's step that waits and
+// then prepares x (kernels/cuda_norm.py: the folded norm stages x_n there)
+struct PdlWait {
+  __device__ __forceinline__ void operator()() const { pdl_wait(); }
+};
+
 __device__ __forceinline__ void mma(float d[4], const unsigned a[4], const unsigned b[2]) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
                "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
@@ -155,6 +161,26 @@ __device__ __forceinline__ void load_x(const __half* x0, const __half* x1, bool 
 #pragma unroll
     for (int h = 0; h < 4; ++h)
       p[4 + h] = v1 ? __half22float2(__ldg(reinterpret_cast<const __half2*>(x1 + kb + 2 * c + 8 * h)))
+                    : make_float2(0.f, 0.f);
+  }
+}
+
+// load_x for x staged in shared memory as fp16 (kernels/cuda_norm.py's folded norm): the same
+// pairs, widened exactly (a distinct type, so plain loads rather than __ldg)
+struct SharedHalf {
+  __half v;
+};
+template <bool ROWS16>
+__device__ __forceinline__ void load_x(const SharedHalf* x0, const SharedHalf* x1, bool v0, bool v1,
+                                       int kb, int c, float2 p[ROWS16 ? 8 : 4]) {
+#pragma unroll
+  for (int h = 0; h < 4; ++h)
+    p[h] = v0 ? __half22float2(*reinterpret_cast<const __half2*>(x0 + kb + 2 * c + 8 * h))
+              : make_float2(0.f, 0.f);
+  if (ROWS16) {
+#pragma unroll
+    for (int h = 0; h < 4; ++h)
+      p[4 + h] = v1 ? __half22float2(*reinterpret_cast<const __half2*>(x1 + kb + 2 * c + 8 * h))
                     : make_float2(0.f, 0.f);
   }
 }
@@ -222,11 +248,12 @@ __device__ __forceinline__ void lane_bytes(int c, unsigned& sel, int& word) {
 // acc += the split [k_lo, k_hi) of the 8 NT columns from n0, its blocks through a ring of D
 // register slots: D blocks' loads (weights and x) in flight ahead of the MMAs, which take the
 // blocks in ascending order. nb % D == 0 (the host picks D); the last round only computes.
-template <bool ROWS16, int NT, int D, typename XT>
+template <bool ROWS16, int NT, int D, typename XT, typename Wait = PdlWait>
 __device__ __forceinline__ void ring_acc(float acc[NT][4], const unsigned char* __restrict__ qs,
                                          const unsigned* __restrict__ sm, const XT* x0,
                                          const XT* x1, bool v0, bool v1, int N, int k_lo,
-                                         int k_hi, int n0, int g, int c, int word, unsigned sel) {
+                                         int k_hi, int n0, int g, int c, int word, unsigned sel,
+                                         Wait wait = Wait()) {
   unsigned w0[D][NT], w1[D][NT], wsm[D][NT];
   float2 xp[D][ROWS16 ? 8 : 4];
   const int nb = (k_hi - k_lo) >> 5;
@@ -240,7 +267,7 @@ __device__ __forceinline__ void ring_acc(float acc[NT][4], const unsigned char* 
     load_block<NT>(wb, sb, w0[j], w1[j], wsm[j]);
     wb += wstep; sb += N;
   }
-  pdl_wait();
+  wait();
 #pragma unroll
   for (int j = 0; j < D; ++j) {  // their x: a kernel wrote it
     load_x<ROWS16>(xa, xb, v0, v1, 0, c, xp[j]);
@@ -595,11 +622,11 @@ __device__ __forceinline__ void q4_swap(const float* __restrict__ x, const unsig
 // cdiv(M, 16)); block 32 S; dynamic shared memory S x 16 x 8 NT floats.
 // (cta_partials: up to the split partials in shared memory, after the CTA's barrier; the
 // route kernel (kernels/cuda_route.py) merges them its own way)
-template <bool ROWS16, int NT, int D>
-__device__ __forceinline__ float* cta_partials(const float* __restrict__ x,
+template <bool ROWS16, int NT, int D, typename XT = float, typename Wait = PdlWait>
+__device__ __forceinline__ float* cta_partials(const XT* __restrict__ x,
                                                const unsigned char* __restrict__ qs,
                                                const unsigned* __restrict__ sm, int M, int N,
-                                               int K, int stride_x, int S) {
+                                               int K, int stride_x, int S, Wait wait = Wait()) {
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int C = 8 * NT;
   float* part = reinterpret_cast<float*>(smem);  // [S][16][C]
@@ -611,12 +638,12 @@ __device__ __forceinline__ float* cta_partials(const float* __restrict__ x,
   lane_bytes(c, sel, word);
   const int r0 = m0 + g, r1 = m0 + g + 8;
   const bool v0 = r0 < M, v1 = r1 < M;
-  const float* x0 = x + (long)(v0 ? r0 : 0) * stride_x;
-  const float* x1 = x + (long)(v1 ? r1 : 0) * stride_x;
+  const XT* x0 = x + (long)(v0 ? r0 : 0) * stride_x;
+  const XT* x1 = x + (long)(v1 ? r1 : 0) * stride_x;
   float acc[NT][4];
 #pragma unroll
   for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-  ring_acc<ROWS16, NT, D>(acc, qs, sm, x0, x1, v0, v1, N, k_lo, k_hi, n0, g, c, word, sel);
+  ring_acc<ROWS16, NT, D>(acc, qs, sm, x0, x1, v0, v1, N, k_lo, k_hi, n0, g, c, word, sel, wait);
   float* mine = part + sp * 16 * C;
 #pragma unroll
   for (int i = 0; i < NT; ++i) {

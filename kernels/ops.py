@@ -40,6 +40,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return triton_norm.rms_norm(x, weight, eps)
 
 
+def norm_linear(lin, h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """h [n, in] f32 → [n, out]: RMSNorm(h) @ W.T — on CUDA at one row the norm folded into
+    the GEMM where triton_norm.FOLD_NORM allows (the same bits), else the two ops."""
+    if _triton(h):
+        from kernels import triton_norm
+
+        out = triton_norm.folded_linear(lin, h, weight, eps)
+        if out is not None:
+            return out
+    return linear(lin, rms_norm(h, weight, eps))
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gate, up [n, K] f32 → [n, K]: silu(gate) * up."""
     if not _triton(gate):

@@ -21,6 +21,11 @@ ROPE_HEADS = 8  # query heads a qkv_rope_store program norms and rotates (a head
 # take; other bits than this file's kernel. False: Triton (unmeasured; bench/ab_modes.py
 # `cudanorm`)
 CUDA_NORM = False
+# with CUDA_NORM, the attention's RMSNorm folded into qkv's CTAs at one row (kernels/cuda_norm.py
+# `q4_ctan`: each warp takes the row's 1 / rms and stages its x_n; one kernel fewer on the
+# one-token chain, ~1 µs a layer by v22's ablation; the same bits). False: two kernels
+# (unmeasured; bench/ab_modes.py `normfold`)
+FOLD_NORM = False
 
 
 @triton.jit
@@ -38,6 +43,15 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, K, stride_x, stride_y, eps, BLOCK: tl.
     if not EARLY:
         w = tl.load(w_ptr + k, mask=mask, other=0.0)
     tl.store(y_ptr + row * stride_y + k, x * inv * w, mask=mask)
+
+
+def folded_linear(lin, h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """rms_norm(h, weight) @ W.T as one kernel where FOLD_NORM (with CUDA_NORM) is on and
+    kernels/cuda_norm.py takes h (one row) and lin; None where not (the caller runs both)."""
+    if not (FOLD_NORM and CUDA_NORM and h.is_cuda and h.dim() == 2 and h.shape[0] == 1):
+        return None
+    from kernels import cuda_norm
+    return cuda_norm.norm_linear(lin, h, weight, eps) if cuda_norm.fold_fits(lin, h, weight) else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -119,8 +119,8 @@ class Transformer:
             cos = self.cos[b.positions][:, None, :]  # [T, 1, D]
             sin = self.sin[b.positions][:, None, :]
         for i, layer in enumerate(self.layers):
-            x = ops.rms_norm(h, layer.attn_norm, cfg.rms_norm_eps)
-            qkv = ops.linear(layer.qkv, x)  # [T, (H + 2*KVH) * D]
+            # [T, (H + 2*KVH) * D]: the attention's norm, then qkv
+            qkv = ops.norm_linear(layer.qkv, h, layer.attn_norm, cfg.rms_norm_eps)
             if self.fused:  # one kernel: q [T, H, D] out, K/V into the pool
                 q = ops.qkv_rope_store(qkv, b.positions, self.cos, self.sin, layer.q_norm,
                                        layer.k_norm, cfg.rms_norm_eps, b.slots, kv.k[i], kv.v[i],

@@ -299,6 +299,29 @@ def test_the_cuda_rms_norm_against_float64_alone_vs_among_and_unaligned(monkeypa
         monkeypatch.setattr(triton_norm, "CUDA_NORM", False)
 
 
+@pytest.mark.parametrize("n,k,programs", [(5120, 2048, None), (5120, 2048, 256), (2560, 1024, None)])
+def test_the_norm_folded_into_the_cta_linear_gives_the_norm_then_linear_bits(n, k, programs,
+                                                                             monkeypatch):
+    """kernels/cuda_norm.py `norm_linear` (one row, 2 / 4 / 8 splits): the bits of its
+    rms_norm and then the CTA linear; ops.norm_linear folds under FOLD_NORM at one row only."""
+    from kernels import cuda_norm, ops
+    if programs:
+        monkeypatch.setattr(q4_layout, "MAX_PROGRAMS", programs)
+    g = torch.Generator(DEV).manual_seed(n + k)
+    lin = rand_q4(n, k, g)
+    w = torch.randn(k, generator=g, device=DEV)
+    for _ in range(3):
+        h = torch.randn(1, k, generator=g, device=DEV) * 3
+        assert cuda_norm.fold_fits(lin, h, w)
+        want = triton_linear.linear(lin, cuda_norm.rms_norm(h, w, 1e-6, nan(1, k)))
+        assert torch.equal(cuda_norm.norm_linear(lin, h, w, 1e-6), want), lin.split
+    monkeypatch.setattr(triton_norm, "CUDA_NORM", True)
+    monkeypatch.setattr(triton_norm, "FOLD_NORM", True)
+    h3 = torch.cat([h, torch.randn(2, k, generator=g, device=DEV)])
+    assert torch.equal(ops.norm_linear(lin, h, w, 1e-6), want)
+    assert torch.equal(ops.norm_linear(lin, h3, w, 1e-6)[:1], want)  # 3 rows: two kernels
+
+
 def test_long_prefills_split_into_launches_change_no_bits(monkeypatch):
     """Split programs take SPLIT_ROWS rows per launch and the experts' CHUNK_TOKENS tokens per
     pass (bounded partials): a row's bits are those of one launch (of the one-program splits,
