@@ -184,7 +184,7 @@ def norm_linear(lin, h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch
     then cuda_q4's CTA form."""
     n, k = lin.out_features, lin.in_features
     out = torch.empty(1, n, dtype=torch.float32, device=h.device)
-    _, depth = cuda_q4._cta_plan(lin, 8, 16, cuda_q4.DEPTH, False)
+    _, depth = cuda_q4._cta_plan(lin, 8, 16, cuda_q4.DEPTH or 8, False)  # (no streamed form)
     cuda, fns = cuda_q4.module(h.device.index or 0, "norm", NORM, ENTRIES)
     cuda_q4._launch(cuda, fns[f"q4_ctan8_2_d{depth}_k{k // 128}".encode()], (n // 16, 1, 1),
                     32 * lin.split, lin.split * 16 * 16 * 4 + k * 2,
