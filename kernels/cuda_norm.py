@@ -11,7 +11,11 @@ The order: a warp a row; lane l adds x[4l + 128i + j]^2 for i ascending, j = 0..
 0), then a butterfly over the 32 lanes (xor 16, 8, 4, 2, 1: every lane ends with the same
 sum); inv = 1 / sqrtf(s / K + eps) (IEEE division and square root); y = (x * inv) * w. K =
 512, 1,024 or 2,048 (4, 8 or 16 float4 a lane); the weight is loaded before the PDL wait.
-Rows 16-byte aligned load float4s, others scalars: the same values in the same order."""
+Rows 16-byte aligned load float4s, others scalars: the same values in the same order.
+
+The fold (`norm_linear`, `triton_norm.FOLD_NORM`): the attention's norm and qkv at one row in
+one launch of cuda_q4's CTA form, each warp taking the row's 1 / rms in this order and staging
+its own K range of x_n (fp16, as the CTA form rounds x) in shared memory for its ring."""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import struct
 import torch
 
 from kernels import cuda_q4
+from kernels.q4_layout import Q4Linear
 
 NORM = r"""
 // The row's 1 / rms in this file's order (module doc), its KV float4s a lane left in xv: lane l
@@ -173,7 +178,6 @@ def rms_norm(rows: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Te
 def fold_fits(lin, h: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `norm_linear` takes one row h [1, K] and the q4 weight lin: the CTA form's
     256-thread entries at 16 columns a warp, K one of 128 x WIDTHS, aligned rows."""
-    from kernels.q4_layout import Q4Linear
     return (isinstance(lin, Q4Linear) and h.shape[0] == 1 and fits(h, weight)
             and h.data_ptr() % 16 == 0 and lin.in_features == h.shape[1]
             and lin.out_features % 16 == 0 and 1 <= lin.split <= cuda_q4.CTA_SPLITS_256)
