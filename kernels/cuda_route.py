@@ -210,9 +210,11 @@ def topk(logits: torch.Tensor, top_k: int, norm: bool, ids: torch.Tensor,
 
 def route_fits(x: torch.Tensor, router, top_k: int) -> bool:
     """Whether `route` takes this one-token x and router: a q4 weight of CLUSTER x 16 outputs
-    in 2-16 K splits, on a device where the kernels load."""
+    in 4-16 K splits (a CTA of at least as many threads as experts), on a device where the
+    kernels load."""
     return (x.shape[0] == 1 and isinstance(router, Q4Linear)
             and router.out_features == CLUSTER * 16 and 1 < router.split <= cuda_q4.CTA_MAX_SPLIT
+            and 32 * router.split >= router.out_features  # (CTA 0's threads rank an expert each)
             and router.in_features % 64 == 0 and 0 < top_k <= MAX_K and x.is_cuda
             and x.dtype == torch.float32 and x.stride(1) == 1 and x.data_ptr() % 8 == 0
             and available(x.device.index or 0))
