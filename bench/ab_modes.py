@@ -192,14 +192,15 @@ def _skip(mode: str) -> None:
     if 'skipattn' in mode:
         ops.paged_attention = lambda q, k_cache, v_cache, block_tables, tok_row, ctx_lens, \
             scale: zeros_of(q.shape, q.device)
+    def residual_only(y, wts, out, residual=None):  # the combine's output without its sum
+        return residual if residual is not None else out
+
     if 'skipcombine' in mode:
-        triton_moe_route.combine = lambda y, wts, out, residual=None: \
-            residual if residual is not None else out
+        triton_moe_route.combine = residual_only
     if 'skipexperts' in mode:  # gate_up and down (and the combine: y is never written)
         from kernels import triton_moe
         triton_moe.experts_forward = lambda *args, **kwargs: None
-        triton_moe_route.combine = lambda y, wts, out, residual=None: \
-            residual if residual is not None else out
+        triton_moe_route.combine = residual_only
     if 'skiptopk' in mode:  # the top-k alone: fixed ids (token t's rank r: expert (t k + r) mod E)
         from kernels import triton_moe
         from kernels.triton_linear import linear

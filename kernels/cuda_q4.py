@@ -1049,7 +1049,7 @@ def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
     a column tile (`warps` ignored)."""
     n, big_n, k = x.shape[0], lin.out_features, lin.in_features
     chosen = depth is not None
-    if cols is None and FILL_COLS and big_n % 8 == 0 and x.is_cuda and big_n // COLS < _sms(x):
+    if cols is None and FILL_COLS and big_n % 8 == 0 and x.is_cuda and big_n // COLS < _sm_count(x.device.index or 0):
         cols = 8
     cols, depth = cols or COLS, DEPTH if depth is None else depth
     cta = CTA if cta is None else cta
@@ -1088,12 +1088,8 @@ def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
 
 @functools.cache
 def _sm_count(device: int) -> int:
+    """The device's SM count."""
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _sms(x: torch.Tensor) -> int:
-    """x's device's SM count."""
-    return _sm_count(x.device.index or 0)
 
 
 def cta_takes(lin: Q4Linear, cols: int) -> bool:

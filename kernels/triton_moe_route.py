@@ -154,16 +154,17 @@ def route(x: torch.Tensor, router: Linear, top_k: int, norm_topk_prob: bool,
         return
     if logits is None:
         logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
+    cuda_topk = False
     if CUDA_ROUTE and x.is_cuda:
         from kernels import cuda_route
-        if cuda_route.topk_fits(logits, top_k):
-            if cuda_route.route_fits(x, router, top_k):
-                cuda_route.route(x, router, logits, top_k, norm_topk_prob, ids, wts)
-            else:
-                linear(router, x, logits, tile=None if router.fmt == "q4" else ROUTER_TILE)
-                cuda_route.topk(logits, top_k, norm_topk_prob, ids, wts)
+        cuda_topk = cuda_route.topk_fits(logits, top_k)
+        if cuda_topk and cuda_route.route_fits(x, router, top_k):
+            cuda_route.route(x, router, logits, top_k, norm_topk_prob, ids, wts)
             return
     linear(router, x, logits, tile=None if router.fmt == "q4" else ROUTER_TILE)
+    if cuda_topk:
+        cuda_route.topk(logits, top_k, norm_topk_prob, ids, wts)
+        return
     bm = 4
     _topk_kernel[(triton.cdiv(t, bm),)](logits, ids, wts, t, e, logits.stride(0), TOPK=top_k,
                                         NORM=norm_topk_prob, BM=bm,
