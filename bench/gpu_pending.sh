@@ -13,7 +13,8 @@
 # and with it the attention's norm folded into qkv at one row (`normfold`), then the ablations
 # of v22 at context 128 x 1 / 64 (what a kernel family costs on the one-token chain: the
 # attention, the top-k, the experts, the whole MoE, the norms; timing only), Nsight Compute
-# over the one-token kernels and the kernel profile at 1 and 64 streams. Update it when the
+# over the one-token kernels, the kernel profile at 1 and 64 streams and the paged attention's
+# phases timed in-kernel (bench/attn_timeline.py, new in v23). Update it when the
 # list changes.
 # Usage (on the GPU machine, repo root):   OUT=/some/dir bash bench/gpu_pending.sh
 # (MODES= names ab modes to run beside the defaults; BITWISE_MODES adds the bitwise sets, which
@@ -70,6 +71,10 @@ PROBE_ARGS="--ms 1 --ts 1" NCU_KERNELS="q4_e|q4_cta" T_NCU=180 bash bench/ncu_pr
 stamp "kernel time per step by kernel (eager, CUPTI, plain launches), 1 and 64 streams"
 timeout 200 python -m bench.gpu_profile --prompts 8 --prompt-len 512 --no-pdl --json "$OUT/profile.json" 2>&1 \
   | grep -v Warning | grep -A14 "== decode"
+
+stamp "the paged attention's phases in-kernel (bench/attn_timeline.py): 128 / 2,048 keys x 1 / 64 tokens"
+timeout 150 python -m bench.attn_timeline --contexts 128,2048 --tokens 1,64 --layers 6 \
+  --json "$OUT/attn_timeline.json" 2>&1 | grep -v Warning
 
 # BITWISE_MODES="...": the engine's bitwise alone-vs-among sets under each (the judge before a
 # mode becomes a default); none by default

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels import triton_pdl
-from kernels.triton_pdl import pdl_wait, prefetch_l2
+from kernels.triton_pdl import pdl_wait, prefetch_l2, stamp
 
 SPLIT = 512  # keys per split (fixed: a property of the kernel, not of the batch)
 BLOCK_N = 32  # keys per inner tile (fp32 K/V); SPLIT % BLOCK_N == 0
@@ -109,21 +109,27 @@ def _dot_f32(a, b, PREC: tl.constexpr, MMA: tl.constexpr):
 
 @triton.jit(do_not_specialize=["stride_bt", "max_splits"])
 def _attn_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, row_ptr, ctx_ptr, out_ptr, pacc_ptr, pml_ptr,
-                       stride_bt, max_splits, scale,
+                       trace_ptr, stride_bt, max_splits, scale,
                        H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, SPLIT: tl.constexpr,
                        BLOCK_N: tl.constexpr, PREC: tl.constexpr, MMA: tl.constexpr,
-                       PDL: tl.constexpr, HS: tl.constexpr = 1, LINES: tl.constexpr = 0):
+                       PDL: tl.constexpr, HS: tl.constexpr = 1, LINES: tl.constexpr = 0,
+                       TRACE: tl.constexpr = False):
     """Program (token, kv head x HS, split): the split's keys for GROUP // HS query heads of
     the kv head (HS > 1: its heads dealt over HS programs; the same bits a head). LINES > 0
-    (PDL only): the split's K / V rows prefetched into L2 before the wait."""
+    (PDL only): the split's K / V rows prefetched into L2 before the wait. TRACE: time stamps
+    (bench/attn_timeline.py) at entry, after the prefetch, after the wait, before the key
+    loop, after it and at the end; a program with no keys stamps entry to wait only."""
+    stamp(trace_ptr, 0, TRACE)
     t = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1) // HS
     sp = tl.program_id(2)
     if PDL and LINES > 0:
         _prefetch_kv(k_ptr, v_ptr, bt_ptr, row_ptr, ctx_ptr, t, kvh, sp, stride_bt, KVH, D, BS,
                      SPLIT, LINES)
+    stamp(trace_ptr, 1, TRACE)
     pdl_wait(PDL)
+    stamp(trace_ptr, 2, TRACE)
     ctx = tl.load(ctx_ptr + t)
     n_splits = tl.cdiv(ctx, SPLIT)
     g = tl.arange(0, GROUP_PAD)
@@ -145,6 +151,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, row_ptr, ctx_ptr, out_ptr, p
     acc = tl.zeros((GROUP_PAD, D), tl.float32)
     lo = sp * SPLIT
     hi = tl.minimum(lo + SPLIT, ctx)
+    stamp(trace_ptr, 3, TRACE)
     for start in range(lo, hi, BLOCK_N):  # pipelined: later tiles' loads are in flight
         k, v, valid = _kv_tile(k_ptr, v_ptr, bt_ptr, row, stride_bt, start, hi, kvh, KVH, D, BS,
                                BLOCK_N)
@@ -156,6 +163,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, row_ptr, ctx_ptr, out_ptr, p
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + _dot_f32(p, v, PREC, MMA)
         m_i = m_new
+    stamp(trace_ptr, 4, TRACE)
     if n_splits == 1:
         tl.store(out_rows, acc / l_i[:, None], mask=g_mask[:, None])
     else:
@@ -163,6 +171,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, row_ptr, ctx_ptr, out_ptr, p
         tl.store(pacc_ptr + part[:, None] * D + d[None, :], acc, mask=g_mask[:, None])
         tl.store(pml_ptr + part * 2, m_i, mask=g_mask)
         tl.store(pml_ptr + part * 2 + 1, l_i, mask=g_mask)
+    stamp(trace_ptr, 5, TRACE)
 
 
 @triton.jit(do_not_specialize=["max_splits"])
@@ -202,13 +211,15 @@ def head_splits(programs: int, group: int) -> int:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, tok_row: torch.Tensor, ctx_lens: torch.Tensor,
                     scale: float, out: torch.Tensor | None = None,
-                    split: int | None = None, head_split: int | None = None) -> torch.Tensor:
+                    split: int | None = None, head_split: int | None = None,
+                    trace: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D] f32; caches [num_blocks, block_size, KVH, D] f32 or bf16; block_tables
     [S, MB] int32; tok_row/ctx_lens [T] int32 → out [T, H, D] f32 (allocated when not given):
     token t attends to the first ctx_lens[t] keys of stream tok_row[t]. No host sync: the
     grid's split count comes from the table width (MB * block_size keys at most). split: keys
     per split (default SPLIT, read at the call); head_split: programs a kv head's query heads
-    are dealt over (default `head_splits`; any divisor of the group gives the same bits)."""
+    are dealt over (default `head_splits`; any divisor of the group gives the same bits).
+    trace: int64 [>= split programs, 8], their time stamps (bench/attn_timeline.py)."""
     split = split or SPLIT
     if q.dtype == torch.float32 and not q.is_contiguous():
         q = q.contiguous()
@@ -247,9 +258,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError(f"head_split {hs} must divide the {group} query heads a kv head")
     _attn_split_kernel[(t, kvh * hs, max_splits)](
         q, k_cache, v_cache, block_tables, tok_row, ctx_lens, out, pacc, pml,
-        block_tables.stride(0), max_splits, scale, H=h, KVH=kvh, D=d, BS=bs, GROUP=group,
+        out if trace is None else trace, block_tables.stride(0), max_splits, scale, H=h, KVH=kvh, D=d, BS=bs, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), SPLIT=split, BLOCK_N=block_n,
-        PREC=PRECISION, MMA=q.device.type == "cuda", HS=hs,
+        PREC=PRECISION, MMA=q.device.type == "cuda", HS=hs, TRACE=trace is not None,
         LINES=max(1, d * k_cache.element_size() // 128) if PREFETCH_KV and t <= PREFETCH_KV else 0,
         num_warps=WARPS, num_stages=STAGES, **triton_pdl.launch(q))
     if max_splits > 1:

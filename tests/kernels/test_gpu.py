@@ -173,6 +173,17 @@ def test_paged_attention_at_real_shapes_and_bitwise_alone(dtype):
     finally:
         triton_attention.PREFETCH_KV = prefetch
     assert torch.equal(again, out) and torch.equal(alone[0], out[5])
+    # the time stamps (bench/attn_timeline.py): the same bits, every program's in order
+    programs = t * kvh * -(-128 * bs // triton_attention.SPLIT)
+    trace = torch.zeros(programs, 8, dtype=torch.int64, device=DEV)
+    traced = triton_attention.paged_attention(q, kc, vc, tables, rows, ctx, d ** -0.5,
+                                              nan(t, h, d), trace=trace)
+    assert torch.equal(traced, out)
+    trace = trace.cpu()
+    assert bool((trace[:, 0] > 0).all()) and bool((trace[:, 2] >= trace[:, 0]).all())
+    ran = trace[:, 5] > 0  # the programs whose split has keys: one a kv head per 512 keys
+    assert int(ran.sum()) == sum(-(-int(c) // triton_attention.SPLIT) for c in ctx) * kvh
+    assert bool((trace[ran, 2:6].diff(dim=1) >= 0).all())
 
 
 @functools.lru_cache(maxsize=1)
