@@ -10,7 +10,8 @@
 # as one cluster launch (`clusterroute`, kernels/cuda_route.py: built after v22's device
 # time; its GPU tests run first), o at 8 columns a warp (`fillcols`: 256 CTAs, 2 an SM, where
 # 16 columns give 128, 1 an SM), the RMSNorm on a CUDA kernel of one fixed order (`cudanorm`)
-# and with it the attention's norm folded into qkv at one row (`normfold`), then the ablations
+# and with it the attention's norm folded into qkv at one row (`normfold`; with `clusterroute`
+# the MoE's norm folded into the route's cluster launch too, new in v23), then the ablations
 # of v22 at context 128 x 1 / 64 (what a kernel family costs on the one-token chain: the
 # attention, the top-k, the experts, the whole MoE, the norms; timing only), Nsight Compute
 # over the one-token kernels, the kernel profile at 1 and 64 streams and the paged attention's
@@ -40,7 +41,7 @@ fi
 
 # the defaults (pdl), then any MODES beside them, at the contexts and stream counts of the targets
 KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=${TAIL:-7} T_ENGINE=${T_ENGINE:-150} \
-  ENGINE_MODES="pdl ${MODES=pdl_mp256 pdl_clusterroute pdl_fillcols pdl_cudanorm pdl_normfold}" CONTEXT=128,2048 STREAMS=1,8,64 TAG=_base \
+  ENGINE_MODES="pdl ${MODES=pdl_mp256 pdl_clusterroute pdl_fillcols pdl_cudanorm pdl_normfold pdl_clusterroute_normfold}" CONTEXT=128,2048 STREAMS=1,8,64 TAG=_base \
   bash bench/gpu_ab.sh 2>&1 | grep -v "^context\|^KV pool"
 # the fastest mode at 128 x 1, if 1.5% faster than the defaults there (and not 1% slower at
 # 128 x 64), gets the engine's bitwise sets at the end (the judge before it may become a default)

@@ -26,7 +26,8 @@ import torch
 from kernels import cuda_q4
 from kernels.q4_layout import Q4Linear
 
-NORM = r"""
+# the order's device functions, shared with kernels/cuda_route.py's fold of the MoE's norm
+NORM_DEVICE = r"""
 // The row's 1 / rms in this file's order (module doc), its KV float4s a lane left in xv: lane l
 // holds x[4l + 128i + j]. Every lane of the warp returns the same value.
 template <int KV>
@@ -50,11 +51,29 @@ __device__ __forceinline__ float row_inv_rms(const float* __restrict__ xr, int l
   return 1.f / sqrtf(s / (float)(128 * KV) + __int_as_float(eps_bits));
 }
 
+// row_inv_rms's value without keeping the row: the same loads and fmaf order, one float4 live
+template <int KV>
+__device__ __forceinline__ float row_inv_rms_lean(const float* __restrict__ xr, int lane, int eps_bits) {
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < KV; ++i) {
+    const float4 v = *reinterpret_cast<const float4*>(xr + 4 * lane + 128 * i);
+    s = fmaf(v.x, v.x, s);
+    s = fmaf(v.y, v.y, s);
+    s = fmaf(v.z, v.z, s);
+    s = fmaf(v.w, v.w, s);
+  }
+  for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  return 1.f / sqrtf(s / (float)(128 * KV) + __int_as_float(eps_bits));
+}
+
 // (x * inv) * w, element by element (no contraction)
 __device__ __forceinline__ float4 scaled(float4 x, float inv, float4 w) {
   return make_float4(__fmul_rn(__fmul_rn(x.x, inv), w.x), __fmul_rn(__fmul_rn(x.y, inv), w.y),
                      __fmul_rn(__fmul_rn(x.z, inv), w.z), __fmul_rn(__fmul_rn(x.w, inv), w.w));
 }
+"""
+NORM = NORM_DEVICE + r"""
 
 template <int KV>
 __device__ __forceinline__ void rms_rows(const float* __restrict__ x, const float* __restrict__ w,

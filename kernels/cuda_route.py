@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cuda_q4
+from kernels import cuda_norm, cuda_q4
 from kernels.q4_layout import Q4Linear
 
 ROUTE = r"""
@@ -155,13 +155,71 @@ __device__ __forceinline__ void q4_route(const float* __restrict__ x, const unsi
   if (cluster_rank() == 0) topk_cta(sl, N, k, norm, sp, sk, sel, sid, red, ids, wts);
 }
 
+// q4_route with the MoE's RMSNorm folded in (`norm_route`): x = rms_norm(h, nw) as
+// kernels/cuda_norm.py computes it, each warp taking the row's 1 / rms itself once its ring's
+// first weight loads are out and staging x of its own K range as fp16 in shared memory (as
+// q4_ctan does); the cluster's CTA 0 also writes x (fp32, rms_rows's values) to xn for the
+// experts. Dynamic shared memory S x 16 x 16 floats, then K halves.
+template <int D, int KV>
+__device__ __forceinline__ void q4_route_n(const float* __restrict__ h, const float* __restrict__ nw,
+                                           const unsigned char* __restrict__ qs,
+                                           const unsigned* __restrict__ sm, float* __restrict__ xn,
+                                           float* __restrict__ logits, int* __restrict__ ids,
+                                           float* __restrict__ wts, int N, int K, int S, int k,
+                                           int norm, int eps_bits) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ float sl[TOPK_MAX_E], sp[TOPK_MAX_E], sel[TOPK_MAX_K], red[1];
+  __shared__ int sk[TOPK_MAX_E], sid[TOPK_MAX_K];
+  constexpr int C = 16;
+  SharedHalf* xs = reinterpret_cast<SharedHalf*>(smem + S * 16 * C * sizeof(float));
+  const int lane = threadIdx.x & 31;
+  const bool writer = cluster_rank() == 0;
+  int k_lo, k_hi;
+  split_k(K, S, threadIdx.x >> 5, k_lo, k_hi);
+  auto stage = [&]() {
+    pdl_wait();
+    const float inv = row_inv_rms_lean<KV>(h, lane, eps_bits);
+    for (int q = k_lo + 4 * lane; q < k_hi; q += 128) {
+      const float4 v = scaled(*reinterpret_cast<const float4*>(h + q), inv,
+                              __ldg(reinterpret_cast<const float4*>(nw + q)));
+      *reinterpret_cast<__half2*>(xs + q) = __floats2half2_rn(v.x, v.y);
+      *reinterpret_cast<__half2*>(xs + q + 2) = __floats2half2_rn(v.z, v.w);
+      if (writer) *reinterpret_cast<float4*>(xn + q) = v;
+    }
+    __syncwarp();
+  };
+  cluster_arrive();  // phase 1, as q4_route
+  const float* part = cta_partials<false, 2, D>(static_cast<const SharedHalf*>(xs), qs, sm, 1, N,
+                                                K, 0, S, stage);
+  const int n0 = blockIdx.x * C;
+  cluster_wait();
+  if (threadIdx.x < C) {
+    const int e = threadIdx.x;
+    float v = part[e];
+    for (int q = 1; q < S; ++q) v = v + part[q * 16 * C + e];  // split order 0..S-1 (row 0)
+    logits[n0 + e] = v;
+    store_in_rank0(sl + n0 + e, v);
+  }
+  cluster_arrive();  // phase 2
+  cluster_wait();
+  if (writer) topk_cta(sl, N, k, norm, sp, sk, sel, sid, red, ids, wts);
+}
+
 #define Q4_ROUTE(D) extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(512, 1) \
     q4_route8_2_d##D(const float* x, const unsigned char* qs, const unsigned* sm, float* logits, \
                      int* ids, float* wts, int N, int K, int S, int k, int norm) { \
     q4_route<D>(x, qs, sm, logits, ids, wts, N, K, S, k, norm); }
 Q4_ROUTE(2)  // (512 threads: 128 registers, the 2-deep ring of cuda_q4.CTAW_DEPTH)
+#define Q4_ROUTE_N(D, KV) extern "C" __global__ void __cluster_dims__(8, 1, 1) \
+    __launch_bounds__(512, 1) q4_route8_2_d##D##_k##KV(const float* h, const float* nw, \
+    const unsigned char* qs, const unsigned* sm, float* xn, float* logits, int* ids, float* wts, \
+    int N, int K, int S, int k, int norm, int eps_bits) { \
+    q4_route_n<D, KV>(h, nw, qs, sm, xn, logits, ids, wts, N, K, S, k, norm, eps_bits); }
+Q4_ROUTE_N(2, 4) Q4_ROUTE_N(2, 8) Q4_ROUTE_N(2, 16)
 """
-ENTRIES = (b"topk_rows", b"q4_route8_2_d2")
+ENTRIES = (b"topk_rows", b"q4_route8_2_d2") + tuple(f"q4_route8_2_d2_k{kv}".encode()
+                                                    for kv in cuda_norm.WIDTHS)
+SOURCE = cuda_norm.NORM_DEVICE + ROUTE  # (the norm's order for the fold)
 MAX_E, MAX_K = 256, 32  # TOPK_MAX_E, TOPK_MAX_K
 CLUSTER = 8  # the route kernel's CTAs: the router's column tiles of 16 (128 experts)
 _UNAVAILABLE: dict = {}
@@ -169,12 +227,12 @@ _UNAVAILABLE: dict = {}
 
 def ptx(arch: str = "compute_90", cache: bool = True) -> bytes:
     """ROUTE (with cuda_q4's device code) compiled by NVRTC for `arch` (sm_90 and later)."""
-    return cuda_q4.ptx(arch, cache, part="route", entries=ROUTE)
+    return cuda_q4.ptx(arch, cache, part="route", entries=SOURCE)
 
 
 def _functions(device: int) -> tuple:
     """(libcuda, {entry: function}) of the route module on `device`."""
-    return cuda_q4.module(device, "route", ROUTE, ENTRIES)
+    return cuda_q4.module(device, "route", SOURCE, ENTRIES)
 
 
 def available(device: int) -> bool:
@@ -229,3 +287,23 @@ def route(x: torch.Tensor, router, logits: torch.Tensor, top_k: int, norm: bool,
     cuda_q4._launch(cuda, fns[b"q4_route8_2_d2"], (CLUSTER, 1, 1), 32 * s,
                     s * 16 * 16 * 4, (x, router.qs, router.sm.view(torch.int32), logits, ids, wts),
                     (router.out_features, router.in_features, s, top_k, int(norm)))
+
+
+def norm_route_fits(h: torch.Tensor, weight: torch.Tensor, router, top_k: int) -> bool:
+    """Whether `norm_route` takes this one-token h, the norm's weight and the router: `route`'s
+    and the CUDA norm's conditions (K one of 128 x cuda_norm.WIDTHS, aligned rows)."""
+    return (route_fits(h, router, top_k) and cuda_norm.fits(h, weight)
+            and h.data_ptr() % 16 == 0 and router.in_features == h.shape[1])
+
+
+def norm_route(h: torch.Tensor, weight: torch.Tensor, eps: float, router, xn: torch.Tensor,
+               logits: torch.Tensor, top_k: int, norm: bool, ids: torch.Tensor,
+               wts: torch.Tensor) -> None:
+    """One token: xn [1, K] = rms_norm(h, weight) (cuda_norm's bits), logits, ids and wts as
+    `route` gives them for xn — one cluster launch (`q4_route_n`)."""
+    cuda, fns = _functions(h.device.index or 0)
+    s, k = router.split, router.in_features
+    cuda_q4._launch(cuda, fns[f"q4_route8_2_d2_k{k // 128}".encode()], (CLUSTER, 1, 1), 32 * s,
+                    s * 16 * 16 * 4 + k * 2,
+                    (h, weight, router.qs, router.sm.view(torch.int32), xn, logits, ids, wts),
+                    (router.out_features, k, s, top_k, int(norm), cuda_norm._bits(eps)))

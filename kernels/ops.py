@@ -121,6 +121,18 @@ def qkv_rope_store(qkv, positions, cos, sin, q_norm, k_norm, eps, slots, k_cache
                                       k_cache, v_cache, num_heads)
 
 
+def norm_moe(h: torch.Tensor, weight: torch.Tensor, eps: float, router, experts, top_k: int,
+             norm_topk_prob: bool) -> torch.Tensor:
+    """CUDA only: h [T, hidden] f32 → h + `moe` of RMSNorm(h) — at one token the norm folded
+    into the route's launch where triton_norm.FOLD_NORM allows (the same bits), else the two."""
+    from kernels import triton_moe
+
+    out = triton_moe.folded_moe(h, weight, eps, router, experts, top_k, norm_topk_prob)
+    if out is not None:
+        return out
+    return moe(rms_norm(h, weight, eps), router, experts, top_k, norm_topk_prob, residual=h)
+
+
 def moe(x: torch.Tensor, router, experts, top_k: int, norm_topk_prob: bool,
         residual: torch.Tensor | None = None) -> torch.Tensor:
     """CUDA only: x [T, hidden] f32 → [T, hidden]: (residual +) the top-k mixture of stacked

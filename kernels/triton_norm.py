@@ -23,8 +23,10 @@ ROPE_HEADS = 8  # query heads a qkv_rope_store program norms and rotates (a head
 CUDA_NORM = False
 # with CUDA_NORM, the attention's RMSNorm folded into qkv's CTAs at one row (kernels/cuda_norm.py
 # `q4_ctan`: each warp takes the row's 1 / rms and stages its x_n; one kernel fewer on the
-# one-token chain, ~1 µs a layer by v22's ablation; the same bits). False: two kernels
-# (unmeasured; bench/ab_modes.py `normfold`)
+# one-token chain, ~1 µs a layer by v22's ablation; the same bits) and, with
+# triton_moe_route.CUDA_ROUTE too, the MoE's norm into the route's cluster launch
+# (kernels/cuda_route.py `norm_route`, triton_moe.folded_moe). False: two kernels
+# (unmeasured; bench/ab_modes.py `normfold`, `clusterroute_normfold`)
 FOLD_NORM = False
 
 

@@ -136,11 +136,13 @@ class Transformer:
                 kv.write(i, b.slots, k, v.contiguous())
             attn = self._attention(q, kv, i, b, pool)  # [T, H, D]
             h = ops.linear_residual(layer.o, attn.reshape(t, cfg.q_size), h)  # h + o(attn)
-            x = ops.rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps)
-            if layer.router is not None:
-                h = self._moe(layer, x, h)
+            if layer.moe is not None:  # CUDA: the norm, router, grouped experts, combine + residual
+                h = ops.norm_moe(h, layer.mlp_norm, cfg.rms_norm_eps, layer.router, layer.moe,
+                                 cfg.num_experts_per_tok, cfg.norm_topk_prob)
             else:
-                h = h + _mlp(layer.gate_up, layer.down, x)
+                x = ops.rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps)
+                h = self._moe(layer, x, h) if layer.router is not None else \
+                    h + _mlp(layer.gate_up, layer.down, x)
         hidden = None
         if b.hidden_rows is not None and b.hidden_rows.numel():
             hidden = ops.rms_norm(h[b.hidden_rows], self.final_norm, cfg.rms_norm_eps)
@@ -172,11 +174,9 @@ class Transformer:
         return attn
 
     def _moe(self, layer: _Layer, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """h + top-k experts per token; the k contributions are summed in rank order (fixed)."""
+        """h + top-k experts per token (the per-expert Linears: CPU); the k contributions are
+        summed in rank order (fixed)."""
         cfg = self.cfg
-        if layer.moe is not None:  # CUDA: router, grouped expert GEMMs, combine + residual
-            return ops.moe(x, layer.router, layer.moe, cfg.num_experts_per_tok,
-                           cfg.norm_topk_prob, residual=h)
         probs = ops.softmax(ops.linear(layer.router, x))  # [T, E]
         top_w, top_i = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)  # [T, k]
         if cfg.norm_topk_prob:

@@ -21,20 +21,27 @@ def test_the_route_module_compiles_for_hopper_as_a_cluster_without_spills(tmp_pa
     bodies = {b.split("(")[0]: b for b in code.decode().split(".visible .entry ")[1:]}
     for name, body in bodies.items():
         assert "griddepcontrol.wait;" in body, name
-    route = bodies["q4_route8_2_d2"]
-    assert re.search(r"\.reqnctapercluster\s+8,\s*1,\s*1", route)
-    # two cluster barrier phases, the logits stored into CTA 0's shared memory between them
-    assert route.count("barrier.cluster.arrive") == 2 and route.count("barrier.cluster.wait") == 2
-    assert "mapa.shared::cluster" in route and "st.shared::cluster.f32" in route
-    assert route.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") >= 4
+    for name in ("q4_route8_2_d2", "q4_route8_2_d2_k4", "q4_route8_2_d2_k16"):
+        route = bodies[name]
+        assert re.search(r"\.reqnctapercluster\s+8,\s*1,\s*1", route), name
+        # two cluster barrier phases, the logits stored into CTA 0's shared memory between them
+        assert route.count("barrier.cluster.arrive") == 2 and route.count("barrier.cluster.wait") == 2
+        assert "mapa.shared::cluster" in route and "st.shared::cluster.f32" in route
+        assert route.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") >= 4
+    # the folded norm: the row's sum of squares in the CUDA norm's butterfly, an IEEE square
+    # root and division, before the ring reads x
+    folded = bodies["q4_route8_2_d2_k16"]
+    assert folded.count("shfl.sync.bfly.b32") >= 5 and "sqrt.rn.f32" in folded
     built = ptxas.report(code, tmp_path)
     assert set(built) == {n.decode() for n in cuda_route.ENTRIES}
     assert not any(spill for _, spill in built.values())
-    assert built["q4_route8_2_d2"][0] <= 128  # 512 threads a CTA, one CTA an SM
+    for name in ("q4_route8_2_d2", "q4_route8_2_d2_k16"):
+        assert built[name][0] <= 128, name  # 512 threads a CTA, one CTA an SM
 
 
 def test_the_route_declines_what_it_cannot_take():
     """CPU tensors and what is not a GPU-format q4 router: the Triton route runs."""
     x = torch.zeros(1, 2048)
     assert not cuda_route.route_fits(x, object(), 8)
+    assert not cuda_route.norm_route_fits(x, torch.ones(2048), object(), 8)
     assert not cuda_route.topk_fits(torch.zeros(3, 128), 8)

@@ -333,6 +333,40 @@ def test_the_norm_folded_into_the_cta_linear_gives_the_norm_then_linear_bits(n, 
     assert torch.equal(ops.norm_linear(lin, h3, w, 1e-6)[:1], want)  # 3 rows: two kernels
 
 
+def test_the_norm_folded_into_the_route_gives_the_norm_then_route_bits(monkeypatch):
+    """kernels/cuda_route.py `norm_route` (one token): x the CUDA norm's bits, logits / ids /
+    weights the cluster route's of that x; ops.norm_moe under FOLD_NORM + CUDA_ROUTE gives the
+    norm-then-moe output at one token, and a row among 5 its bits alone."""
+    from kernels import cuda_norm, cuda_route, ops
+    if not cuda_route.available(0):
+        pytest.skip("cuda_route needs sm_90")
+    router, experts, stacked = real_moe()
+    g = torch.Generator(DEV).manual_seed(14)
+    h = torch.randn(6, 2048, generator=g, device=DEV) * 3
+    w = torch.randn(2048, generator=g, device=DEV)
+    for r in (0, 5):
+        hr = h[r:r + 1].contiguous()
+        assert cuda_route.norm_route_fits(hr, w, router, 8)
+        xn, logits = nan(1, 2048), nan(1, 128)
+        ids, wts = torch.full((1, 8), -5, dtype=torch.int32, device=DEV), nan(1, 8)
+        cuda_route.norm_route(hr, w, 1e-6, router, xn, logits, 8, True, ids, wts)
+        want = cuda_norm.rms_norm(hr, w, 1e-6, nan(1, 2048))
+        assert torch.equal(xn, want), r
+        l2, i2, w2 = nan(1, 128), torch.empty_like(ids), torch.empty_like(wts)
+        cuda_route.route(want, router, l2, 8, True, i2, w2)
+        assert torch.equal(logits, l2) and torch.equal(ids, i2) and torch.equal(wts, w2), r
+    for name in ("CUDA_NORM", "FOLD_NORM"):
+        monkeypatch.setattr(triton_norm, name, True)
+    monkeypatch.setattr(triton_moe_route, "CUDA_ROUTE", True)
+    among = ops.norm_moe(h, w, 1e-6, router, stacked, 8, True)  # 6 rows: norm, then moe
+    for r in (0, 5):
+        hr = h[r:r + 1].contiguous()
+        folded = ops.norm_moe(hr, w, 1e-6, router, stacked, 8, True)
+        want = triton_moe.moe(triton_norm.rms_norm(hr, w, 1e-6), router, stacked, 8, True,
+                              residual=hr)
+        assert torch.equal(folded, want) and torch.equal(folded[0], among[r]), r
+
+
 def test_long_prefills_split_into_launches_change_no_bits(monkeypatch):
     """Split programs take SPLIT_ROWS rows per launch and the experts' CHUNK_TOKENS tokens per
     pass (bounded partials): a row's bits are those of one launch (of the one-program splits,
