@@ -31,6 +31,28 @@ import torch
 from kernels import cuda_norm, cuda_q4
 from kernels.q4_layout import Q4Linear
 
+CLUSTER_DEVICE = r"""
+// thread block clusters (sm_90): this CTA's rank, a barrier phase's halves, and a store into
+// the same shared variable of the cluster's CTA 0 (also kernels/cuda_xs.py's)
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void store_in_rank0(float* mine, float v) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(mine));
+  unsigned r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(r) : "r"(a));
+  asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(r), "f"(v) : "memory");
+}
+
+"""
 ROUTE = r"""
 #define TOPK_MAX_E 256
 #define TOPK_MAX_K 32
@@ -106,26 +128,6 @@ extern "C" __global__ void __launch_bounds__(256) topk_rows(const float* __restr
   for (int i = threadIdx.x; i < E; i += blockDim.x) sl[i] = logits[t * stride_l + i];
   __syncthreads();
   topk_cta(sl, E, k, norm, sp, sk, sel, sid, red, ids + t * k, wts + t * k);
-}
-
-// thread block clusters (sm_90): this CTA's rank, a barrier phase's halves, and a store into
-// the same shared variable of the cluster's CTA 0
-__device__ __forceinline__ unsigned cluster_rank() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ void cluster_arrive() {
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() {
-  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void store_in_rank0(float* mine, float v) {
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(mine));
-  unsigned r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(r) : "r"(a));
-  asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(r), "f"(v) : "memory");
 }
 
 // One token's route: grid (8) = one cluster, CTA c the router's columns 16c..16c+15 as q4_cta
@@ -219,7 +221,7 @@ Q4_ROUTE_N(2, 4) Q4_ROUTE_N(2, 8) Q4_ROUTE_N(2, 16)
 """
 ENTRIES = (b"topk_rows", b"q4_route8_2_d2") + tuple(f"q4_route8_2_d2_k{kv}".encode()
                                                     for kv in cuda_norm.WIDTHS)
-SOURCE = cuda_norm.NORM_DEVICE + ROUTE  # (the norm's order for the fold)
+SOURCE = cuda_norm.NORM_DEVICE + CLUSTER_DEVICE + ROUTE  # (the norm's order for the fold)
 MAX_E, MAX_K = 256, 32  # TOPK_MAX_E, TOPK_MAX_K
 CLUSTER = 8  # the route kernel's CTAs: the router's column tiles of 16 (128 experts)
 _UNAVAILABLE: dict = {}

@@ -367,6 +367,40 @@ def test_the_norm_folded_into_the_route_gives_the_norm_then_route_bits(monkeypat
         assert torch.equal(folded, want) and torch.equal(folded[0], among[r]), r
 
 
+@pytest.mark.parametrize("n,k,programs", [(5120, 2048, None), (2048, 4096, None), (5120, 2048, 80),
+                                          (2048, 4096, 64), (1024, 1024, 64)])
+def test_the_x_staged_linear_gives_the_decode_tile_bits(n, k, programs, monkeypatch):
+    """kernels/cuda_xs.py at 9-64 rows (splits 8 / 4 / 2 / 1, with and without the residual,
+    2-8 warps a CTA, rings of 2 and 4): the decode tile's bits, row for row; triton_linear
+    routes to it under CUDA_XS_MAX_ROWS."""
+    from kernels import cuda_xs
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("cuda_xs needs sm_90")
+    if programs:
+        monkeypatch.setattr(q4_layout, "MAX_PROGRAMS", programs)
+    g = torch.Generator(DEV).manual_seed(n + k + (programs or 0))
+    lin = rand_q4(n, k, g)
+    assert lin.split in cuda_xs.SPLITS, lin.split
+    x = torch.randn(64, k, generator=g, device=DEV)
+    res = torch.randn(64, n, generator=g, device=DEV)
+    want = triton_q4.linear(lin, x, nan(64, n))
+    want_res = triton_q4.linear(lin, x, nan(64, n), residual=res)
+    for rows in (9, 16, 17, 40, 64):
+        xr = x[:rows]
+        assert cuda_xs.fits(lin, xr, nan(rows, n)), rows
+        got = cuda_xs.linear(lin, xr, nan(rows, n))
+        assert torch.equal(got, triton_q4.linear(lin, xr, nan(rows, n))), (rows, lin.split)
+        assert torch.equal(got, want[:rows]), (rows, lin.split)  # a row's bits at any count
+        got = cuda_xs.linear(lin, xr, nan(rows, n), residual=res[:rows])
+        assert torch.equal(got, want_res[:rows]), (rows, lin.split)
+    for warps in (2, 4):
+        for depth in (2, 4):
+            got = cuda_xs.linear(lin, x[:33], nan(33, n), residual=res[:33], warps=warps, depth=depth)
+            assert torch.equal(got, want_res[:33]), (warps, depth)
+    monkeypatch.setattr(triton_linear, "CUDA_XS_MAX_ROWS", 64)
+    assert torch.equal(triton_linear.linear(lin, x[:24], residual=res[:24]), want_res[:24])
+
+
 def test_long_prefills_split_into_launches_change_no_bits(monkeypatch):
     """Split programs take SPLIT_ROWS rows per launch and the experts' CHUNK_TOKENS tokens per
     pass (bounded partials): a row's bits are those of one launch (of the one-program splits,
