@@ -212,11 +212,14 @@ def available(device: int) -> bool:
 
 def _plan(lin: Q4Linear, rows: int, warps: int) -> tuple[int, int, int]:
     """(m16 tiles a CTA, ring depth, shared memory bytes) for `rows` rows of x through lin at
-    `warps` warps a CTA. The depth changes no bit: 2 at 64 rows (126 registers against 152 at
-    4, so two 256-thread CTAs an SM: qkv's 160 CTAs in one wave on 132 SMs), else 4 where a
-    split's blocks come in fours."""
-    mt = next(m for m in M_TILES if 16 * m >= min(rows, 16 * M_TILES[-1]))
+    `warps` warps a CTA: the fewest m16 tiles that hold the rows, halved while the staged
+    split exceeds MAX_SMEM (more row CTAs, each dequantizing the weight again). The depth
+    changes no bit: 2 at 64 rows (126 registers against 152 at 4, so two 256-thread CTAs an
+    SM: qkv's 160 CTAs in one wave on 132 SMs), else 4 where a split's blocks come in fours."""
     per = lin.in_features // lin.split  # (q4_layout: the splits divide the k steps evenly)
+    mt = next(m for m in M_TILES if 16 * m >= min(rows, 16 * M_TILES[-1]))
+    while mt > M_TILES[0] and 16 * mt * (per + 8) * 2 > MAX_SMEM:
+        mt //= 2
     depth = 4 if (per // 32) % 4 == 0 and mt < 4 else 2
     return mt, depth, max(16 * mt * (per + 8) * 2, 16 * mt * COLS * warps * 4)
 
