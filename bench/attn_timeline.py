@@ -21,7 +21,7 @@ import json
 
 import torch
 
-from bench.gpu_timeline import _stats
+from bench.gpu_timeline import _stats, replay
 from bench.kernel_bench import rand_q4
 from kernels import q4_layout, triton_attention, triton_pdl, triton_q4
 
@@ -64,14 +64,7 @@ def run(ctx: int, tokens: int, layers: int, g: torch.Generator) -> list[dict]:
                                              ctx_lens, D ** -0.5, att, trace=tr["attn"])
             triton_q4.linear(lay["o"], att.view(tokens, H * D), y, residual=x, trace=tr["o"])
 
-    step()  # compile
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
+    replay(step)
     out = []
     for layer, tr in enumerate(traces[1:], 1):  # layer 0's first kernel waits on the graph start
         q4 = {k: tr[k].cpu() for k in ("qkv", "o")}

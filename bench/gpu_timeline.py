@@ -29,6 +29,19 @@ def _stats(v: torch.Tensor) -> tuple[float, float]:
     return float(v.median()), float(v.max())
 
 
+def replay(step, times: int = 5) -> None:
+    """step() once eagerly (compiles), then captured into a CUDA graph and replayed `times`
+    times, synchronized: the traces hold the last replay's stamps."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(times):
+        graph.replay()
+    torch.cuda.synchronize()
+
+
 def run(m: int, layers: int, g: torch.Generator) -> list[dict]:
     dev = "cuda"
     lins = [{name: q4_layout.repack(rand_q4(n, k, g)) for name, (n, k) in SHAPES.items()}
@@ -49,14 +62,7 @@ def run(m: int, layers: int, g: torch.Generator) -> list[dict]:
             triton_q4.linear(ls["o"], a, outs["o"], residual=res, trace=tr["o"])
             triton_q4.linear(ls["router"], x, outs["router"], trace=tr["router"])
 
-    step()  # compile
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
+    replay(step)
     rows, prev_end = [], None
     for layer, tr in enumerate(traces):
         for name in SHAPES:

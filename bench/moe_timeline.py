@@ -18,6 +18,7 @@ import json
 import torch
 
 from bench.ab_modes import apply
+from bench.gpu_timeline import replay
 from bench.kernel_bench import rand_q4, routed_tokens, time_ms
 from kernels import moe_layout, triton_linear, triton_moe, triton_moe_route
 
@@ -73,14 +74,7 @@ def _timeline(router, layers, t: int, g) -> list[dict]:
             triton_moe_route.route(x, router, 8, True, ids, wts)
             triton_moe._fused(x, ids, wts, st, res, trace=tr)
 
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
+    replay(step, 3)
     rows, prev_end = [], None
     for layer, tr in enumerate(traces):
         tr = tr.cpu().double()

@@ -130,19 +130,15 @@ extern "C" __global__ void __launch_bounds__(256) topk_rows(const float* __restr
   topk_cta(sl, E, k, norm, sp, sk, sel, sid, red, ids + t * k, wts + t * k);
 }
 
-// One token's route: grid (8) = one cluster, CTA c the router's columns 16c..16c+15 as q4_cta
-// computes them for one row (S splits a warp each, block 32 S; dynamic shared memory S x 16 x
-// 16 floats), written to logits and into CTA 0's sl; CTA 0 then takes the top-k.
-template <int D>
-__device__ __forceinline__ void q4_route(const float* __restrict__ x, const unsigned char* __restrict__ qs,
-                                         const unsigned* __restrict__ sm, float* __restrict__ logits,
-                                         int* __restrict__ ids, float* __restrict__ wts, int N, int K,
-                                         int S, int k, int norm) {
+// The end of a one-token route, after the CTA's cta_partials (phase 1 of the cluster barrier
+// arrived before them): the CTA's 16 logits summed in split order 0..S-1, written to logits
+// and into CTA 0's sl; then CTA 0 takes the top-k.
+__device__ __forceinline__ void route_rank(const float* part, float* __restrict__ logits,
+                                           int* __restrict__ ids, float* __restrict__ wts, int N,
+                                           int S, int k, int norm) {
   __shared__ float sl[TOPK_MAX_E], sp[TOPK_MAX_E], sel[TOPK_MAX_K], red[1];
   __shared__ int sk[TOPK_MAX_E], sid[TOPK_MAX_K];
   constexpr int C = 16;
-  cluster_arrive();  // phase 1: every CTA of the cluster has started (before any remote store)
-  const float* part = cta_partials<false, 2, D>(x, qs, sm, 1, N, K, 0, S);
   const int n0 = blockIdx.x * C;
   cluster_wait();
   if (threadIdx.x < C) {
@@ -155,6 +151,18 @@ __device__ __forceinline__ void q4_route(const float* __restrict__ x, const unsi
   cluster_arrive();  // phase 2: the logits are in CTA 0's shared memory
   cluster_wait();
   if (cluster_rank() == 0) topk_cta(sl, N, k, norm, sp, sk, sel, sid, red, ids, wts);
+}
+
+// One token's route: grid (8) = one cluster, CTA c the router's columns 16c..16c+15 as q4_cta
+// computes them for one row (S splits a warp each, block 32 S; dynamic shared memory S x 16 x
+// 16 floats), written to logits and into CTA 0's sl; CTA 0 then takes the top-k.
+template <int D>
+__device__ __forceinline__ void q4_route(const float* __restrict__ x, const unsigned char* __restrict__ qs,
+                                         const unsigned* __restrict__ sm, float* __restrict__ logits,
+                                         int* __restrict__ ids, float* __restrict__ wts, int N, int K,
+                                         int S, int k, int norm) {
+  cluster_arrive();  // phase 1: every CTA of the cluster has started (before any remote store)
+  route_rank(cta_partials<false, 2, D>(x, qs, sm, 1, N, K, 0, S), logits, ids, wts, N, S, k, norm);
 }
 
 // q4_route with the MoE's RMSNorm folded in (`norm_route`): x = rms_norm(h, nw) as
@@ -170,10 +178,7 @@ __device__ __forceinline__ void q4_route_n(const float* __restrict__ h, const fl
                                            float* __restrict__ wts, int N, int K, int S, int k,
                                            int norm, int eps_bits) {
   extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ float sl[TOPK_MAX_E], sp[TOPK_MAX_E], sel[TOPK_MAX_K], red[1];
-  __shared__ int sk[TOPK_MAX_E], sid[TOPK_MAX_K];
-  constexpr int C = 16;
-  SharedHalf* xs = reinterpret_cast<SharedHalf*>(smem + S * 16 * C * sizeof(float));
+  SharedHalf* xs = reinterpret_cast<SharedHalf*>(smem + S * 16 * 16 * sizeof(float));
   const int lane = threadIdx.x & 31;
   const bool writer = cluster_rank() == 0;
   int k_lo, k_hi;
@@ -191,20 +196,8 @@ __device__ __forceinline__ void q4_route_n(const float* __restrict__ h, const fl
     __syncwarp();
   };
   cluster_arrive();  // phase 1, as q4_route
-  const float* part = cta_partials<false, 2, D>(static_cast<const SharedHalf*>(xs), qs, sm, 1, N,
-                                                K, 0, S, stage);
-  const int n0 = blockIdx.x * C;
-  cluster_wait();
-  if (threadIdx.x < C) {
-    const int e = threadIdx.x;
-    float v = part[e];
-    for (int q = 1; q < S; ++q) v = v + part[q * 16 * C + e];  // split order 0..S-1 (row 0)
-    logits[n0 + e] = v;
-    store_in_rank0(sl + n0 + e, v);
-  }
-  cluster_arrive();  // phase 2
-  cluster_wait();
-  if (writer) topk_cta(sl, N, k, norm, sp, sk, sel, sid, red, ids, wts);
+  route_rank(cta_partials<false, 2, D>(static_cast<const SharedHalf*>(xs), qs, sm, 1, N, K, 0, S,
+                                       stage), logits, ids, wts, N, S, k, norm);
 }
 
 #define Q4_ROUTE(D) extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(512, 1) \
