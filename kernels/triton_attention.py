@@ -258,7 +258,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError(f"head_split {hs} must divide the {group} query heads a kv head")
     _attn_split_kernel[(t, kvh * hs, max_splits)](
         q, k_cache, v_cache, block_tables, tok_row, ctx_lens, out, pacc, pml,
-        out if trace is None else trace, block_tables.stride(0), max_splits, scale, H=h, KVH=kvh, D=d, BS=bs, GROUP=group,
+        out if trace is None else trace, block_tables.stride(0), max_splits, scale, H=h, KVH=kvh,
+        D=d, BS=bs, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), SPLIT=split, BLOCK_N=block_n,
         PREC=PRECISION, MMA=q.device.type == "cuda", HS=hs, TRACE=trace is not None,
         LINES=max(1, d * k_cache.element_size() // 128) if PREFETCH_KV and t <= PREFETCH_KV else 0,

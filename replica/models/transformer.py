@@ -174,8 +174,8 @@ class Transformer:
         return attn
 
     def _moe(self, layer: _Layer, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """h + top-k experts per token (the per-expert Linears: CPU); the k contributions are
-        summed in rank order (fixed)."""
+        """h + top-k experts per token through the per-expert Linears (experts not stacked);
+        the k contributions are summed in rank order (fixed)."""
         cfg = self.cfg
         probs = ops.softmax(ops.linear(layer.router, x))  # [T, E]
         top_w, top_i = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)  # [T, k]
