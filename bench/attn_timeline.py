@@ -60,8 +60,8 @@ def run(ctx: int, tokens: int, layers: int, g: torch.Generator) -> list[dict]:
     def step() -> None:
         for lay, tr in zip(lays, traces):
             triton_q4.linear(lay["qkv"], x, qkv, trace=tr["qkv"])
-            triton_attention.paged_attention(qkv.view(tokens, H, D), lay["k"], lay["v"], tables, rows,
-                                             ctx_lens, D ** -0.5, att, trace=tr["attn"])
+            triton_attention.paged_attention(qkv.view(tokens, H, D), lay["k"], lay["v"], tables,
+                                             rows, ctx_lens, D ** -0.5, att, trace=tr["attn"])
             triton_q4.linear(lay["o"], att.view(tokens, H * D), y, residual=x, trace=tr["o"])
 
     replay(step)
