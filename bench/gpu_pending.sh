@@ -96,9 +96,11 @@ stamp "the paged attention's phases in-kernel (bench/attn_timeline.py): 128 / 2,
 timeout 150 python -m bench.attn_timeline --contexts 128,2048 --tokens 1,64 --layers 6 \
   --json "$OUT/attn_timeline.json" 2>&1 | grep -v Warning
 
-stamp "the q4 linear at 16 / 64 rows (16.6% of a 64-stream step on the H200, at 8% of DRAM's peak): the tiles beside the plan"
-timeout 150 python -m bench.row_modes --ms 16,64 --ts "" --weights qkv,o --dense-from 16 --maxnreg 0 \
-  --tiles 32x64x64w1s3,64x64x64w4s3,32x64x64w2s3,64x128x64w4s3 --json "$OUT/row_modes.json" 2>&1 | grep -v Warning | tail -24
+stamp "the q4 linear at 16 / 64 rows (16.6% of a 64-stream step on the H200, at 8% of DRAM's peak): the tiles and the x-staged form beside the plan"
+# (with --cuda: the x-staged form's variants too, each with its bits against the decode tile)
+timeout 180 python -m bench.row_modes --ms 16,64 --ts "" --weights qkv,o --dense-from 16 --maxnreg 0 --cuda \
+  --tiles 32x64x64w1s3,64x64x64w4s3,32x64x64w2s3,64x128x64w4s3 --json "$OUT/row_modes.json" 2>&1 \
+  | grep -v Warning | grep -E "plan|xs|x64x64|x128x64|dense|cta 16c d8|swap mt2 w8|Error|error"
 
 stamp "ablations (bench/ab_modes.py _skip): a kernel family launches nothing; timing only"
 KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=3 T_ENGINE=100 CONTEXT=128 STREAMS=1,64 TAG=_skip \

@@ -20,7 +20,7 @@ import torch
 
 from bench.gpu_profile import profile_calls
 from bench.kernel_bench import copy_bandwidth, rand_q4, routed_tokens, timed
-from kernels import cuda_q4, q4_layout, triton_f16, triton_linear, triton_moe, triton_q4
+from kernels import cuda_q4, cuda_xs, q4_layout, triton_f16, triton_linear, triton_moe, triton_q4
 from kernels.moe_layout import StackedExperts
 from kernels.q4_layout import Q4Tile
 
@@ -45,6 +45,9 @@ CUDA_VARIANTS = ((16, 8), (32, 4), (16, cuda_q4.STREAM))
 CTA_VARIANTS = ((16, 8), (8, 8), (16, 4), (32, 4))
 # (m16 feature tiles a warp, warps a CTA) of the CUDA swapped form timed with --cuda from 9 rows
 SWAP_VARIANTS = ((1, 4), (2, 4), (1, 8), (2, 8))
+# (warps a CTA, ring depth or None: the plan's) of the x-staged form (kernels/cuda_xs.py)
+# timed with --cuda at 9-64 rows
+XS_VARIANTS = ((8, None), (4, None), (8, 4), (4, 4))
 
 
 def _roomy(lin: q4_layout.Q4Linear) -> q4_layout.Q4Linear:
@@ -94,6 +97,10 @@ def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles, weights=("qkv", "
                 if m > 8:  # the weights as the MMA's A operand, x through shared memory
                     modes += [(f"cuda swap mt{mt} w{w}", dict(cu=2, mt=mt, warps=w))
                               for mt, w in SWAP_VARIANTS if n % (16 * mt * w) == 0]
+                if cuda_xs.fits(lin, x, torch.empty(m, n, device=DEV)):  # x staged once a CTA
+                    modes += [(f"cuda xs w{w} {f'd{d}' if d else 'plan'}", dict(cu=3, warps=w, depth=d))
+                              for w, d in XS_VARIANTS if n % (16 * w) == 0
+                              and (d is None or (k // lin.split // 32) % d == 0)]
                 if m <= 8:  # what its loads alone / without the split merge take (wrong values)
                     modes += [(f"cuda probe {p.decode()}", dict(cu=1, cols=16, depth=cuda_q4.STREAM, probe=p))
                               for p in cuda_q4.PROBES]
@@ -105,8 +112,8 @@ def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles, weights=("qkv", "
                 out = torch.empty(m, n, device=DEV)
                 f16, plan, cu = kw.pop("f16", 0), kw.pop("plan", 0), kw.pop("cu", 0)
                 run = (triton_f16.linear if f16 else triton_linear.linear if plan
-                       else cuda_q4.swap_linear if cu == 2 else cuda_q4.linear if cu
-                       else triton_q4.linear)
+                       else cuda_xs.linear if cu == 3 else cuda_q4.swap_linear if cu == 2
+                       else cuda_q4.linear if cu else triton_q4.linear)
                 if f16:
                     try:
                         triton_f16.check_unroll(kw.get("flat", 0), k, lin.split, kw["tile"])
