@@ -11,7 +11,7 @@ import pytest
 
 def _knobs(mode: str, expr: str) -> list[str]:
     code = (f"from bench.ab_modes import apply\napply({mode!r})\n"
-            "from kernels import cuda_q4, moe_layout, q4_layout, triton_attention, triton_linear, "
+            "from kernels import cuda_q4, cuda_xs, moe_layout, q4_layout, triton_attention, triton_linear, "
             "triton_moe, triton_moe_route, triton_norm, triton_pdl\n"
             "from replica import memory\n"
             f"print({expr})")
@@ -115,11 +115,12 @@ def test_the_skip_modes_replace_a_kernel_family_by_its_input_or_cached_zeros():
             "a = ops.paged_attention(torch.randn(2, 4, 16), None, None, None, None, None, 1.0)\n"
             "c = triton_moe_route.combine(torch.randn(4, 8), torch.ones(2, 2), torch.empty(2, 8), r)\n"
             "print(float(n.abs().sum()), tuple(n.shape), float(a.abs().sum()), tuple(a.shape),\n"
-            "      c is r, ops.moe(x, None, None, 2, True, r) is r, ops.rms_norm(x, None, 0.0) is n)")
+            "      c is r, ops.moe(x, None, None, 2, True, r) is r, ops.rms_norm(x, None, 0.0) is n,\n"
+            "      ops.norm_moe(x, torch.ones(8), 1e-6, None, None, 2, True) is x)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["0.0", "(3,", "8)", "0.0", "(2,", "4,", "16)", "True", "True",
-                                  "True"]
+                                  "True", "True"]  # (the model's MoE entry, norm_moe, skipped too)
 
 
 @pytest.mark.parametrize("mode,want", [("pdl", "False False 16 False False"),
@@ -133,3 +134,14 @@ def test_the_v22_experiment_modes_turn_on_their_knob_alone(mode, want):
     and the attention's norm folded into qkv at one row."""
     assert _knobs(mode, "triton_moe_route.CUDA_ROUTE, cuda_q4.FILL_COLS, cuda_q4.COLS, "
                         "triton_norm.CUDA_NORM, triton_norm.FOLD_NORM") == want.split()
+
+
+@pytest.mark.parametrize("mode,want", [("pdl", "False False None 8"),
+                                       ("pdl_clusterroute_normfold", "True True None 8"),
+                                       ("pdl_xs64", "False False 64 8"),
+                                       ("pdl_xs64_xsw4", "False False 64 4")])
+def test_the_v23_experiment_modes_set_their_knobs(mode, want):
+    """clusterroute_normfold: the CUDA route with both norms folded (the MoE's into the route);
+    xsN: q4 calls of 9-N rows on the x-staged form, xswN its warps a CTA."""
+    assert _knobs(mode, "triton_moe_route.CUDA_ROUTE, triton_norm.FOLD_NORM, "
+                        "triton_linear.CUDA_XS_MAX_ROWS, cuda_xs.WARPS") == want.split()
