@@ -11,8 +11,8 @@ import pytest
 
 def _knobs(mode: str, expr: str) -> list[str]:
     code = (f"from bench.ab_modes import apply\napply({mode!r})\n"
-            "from kernels import cuda_q4, cuda_xs, moe_layout, q4_layout, triton_attention, triton_linear, "
-            "triton_moe, triton_moe_route, triton_norm, triton_pdl\n"
+            "from kernels import cuda_q4, cuda_xs, moe_layout, q4_layout, triton_attention, "
+            "triton_linear, triton_moe, triton_moe_route, triton_norm, triton_pdl\n"
             "from replica import memory\n"
             f"print({expr})")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -115,7 +115,8 @@ def test_the_skip_modes_replace_a_kernel_family_by_its_input_or_cached_zeros():
             "a = ops.paged_attention(torch.randn(2, 4, 16), None, None, None, None, None, 1.0)\n"
             "c = triton_moe_route.combine(torch.randn(4, 8), torch.ones(2, 2), torch.empty(2, 8), r)\n"
             "print(float(n.abs().sum()), tuple(n.shape), float(a.abs().sum()), tuple(a.shape),\n"
-            "      c is r, ops.moe(x, None, None, 2, True, r) is r, ops.rms_norm(x, None, 0.0) is n,\n"
+            "      c is r, ops.moe(x, None, None, 2, True, r) is r,\n"
+            "      ops.rms_norm(x, None, 0.0) is n,\n"
             "      ops.norm_moe(x, torch.ones(8), 1e-6, None, None, 2, True) is x)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
