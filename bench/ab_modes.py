@@ -67,6 +67,13 @@ def apply(mode: str) -> None:
         triton_linear.CUDA_XS_MAX_ROWS = int(re.search(r'xs([0-9]+)', mode).group(1))
         if re.search(r'xsw[0-9]+', mode):  # ... at this many warps a CTA (8)
             cuda_xs.WARPS = int(re.search(r'xsw([0-9]+)', mode).group(1))
+    if re.search(r'xe[0-9]+', mode):  # grouped q4 experts of up to N tokens on cuda_xs (x staged)
+        triton_moe.CUDA_XS_MAX_TOKENS = int(re.search(r'xe([0-9]+)', mode).group(1))
+        from kernels import cuda_xs
+        if re.search(r'xerows[0-9]+', mode):  # ... rows a pass (16)
+            cuda_xs.EXPERT_ROWS = int(re.search(r'xerows([0-9]+)', mode).group(1))
+        if re.search(r'xedepth[0-9]+', mode):  # ... ring depth (8)
+            cuda_xs.EXPERT_DEPTH = int(re.search(r'xedepth([0-9]+)', mode).group(1))
     if re.search(r'cswmt[0-9]+', mode):  # ... its m16 feature tiles a warp
         from kernels import cuda_q4
         cuda_q4.SWAP_MT = int(re.search(r'cswmt([0-9]+)', mode).group(1))

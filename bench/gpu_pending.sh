@@ -5,13 +5,15 @@
 # (the issue's no-thrash row: 5,999 tok/s on the H200 in v21 with a 108 ms capture step; on
 # the H100 in v22, with the first table-width bucket at 32 blocks, no stall and 99.3% of the
 # 64-token figure — the H200 reading is still owed), takes the defaults' baseline at contexts
-# 128 / 2,048 x 1 / 8 / 64 beside v21's defaults (`mp256`: the linear's splits for 256
+# 128 / 2,048 x 1 / 64 beside v21's defaults (`mp256`: the linear's splits for 256
 # programs, qkv in 2; v22 moved it to 384, qkv in 4, on the H100 alone) and the router + top-k
 # as one cluster launch (`clusterroute`, kernels/cuda_route.py: built after v22's device
 # time; its GPU tests run first), o at 8 columns a warp (`fillcols`: 256 CTAs, 2 an SM, where
 # 16 columns give 128, 1 an SM), the RMSNorm on a CUDA kernel of one fixed order (`cudanorm`)
 # and with it the attention's norm folded into qkv at one row (`normfold`; with `clusterroute`
-# the MoE's norm folded into the route's cluster launch too, new in v23), then the ablations
+# the MoE's norm folded into the route's cluster launch too, new in v23), the q4 linear and
+# the grouped experts at 64 streams with x staged once a CTA (kernels/cuda_xs.py: `xs64` v23,
+# `xe64` v24; timed alone first, with their bits), then the ablations
 # of v22 at context 128 x 1 / 64 (what a kernel family costs on the one-token chain: the
 # attention, the top-k, the experts, the whole MoE, the norms; timing only), Nsight Compute
 # over the one-token kernels, the kernel profile at 1 and 64 streams and the paged attention's
@@ -42,17 +44,22 @@ if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || [ -n "${T
     TAG=_t144 bash bench/gpu_ab.sh 2>&1 | grep -v "^KV pool\|^NVIDIA\|^torch"
 fi
 
+stamp "the x-staged forms alone: the q4 experts at 16 / 64 tokens (cuda xe) beside the plan, with their bits"
+timeout 120 python -m bench.row_modes --ms "" --ts 16,64 --tiles "" --maxnreg 0 --dense-tiles "" --cuda \
+  --json "$OUT/row_modes_xe.json" 2>&1 | grep -v Warning | grep -E "experts|Error|error"
+
 # the defaults (pdl), then any MODES beside them, at the contexts and stream counts of the targets
 # (mp256, v21's split of qkv in 2, on the H200 only: v22 moved the default to 4 on the H100)
 H200_MODES=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo pdl_mp256)
 KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=${TAIL:-7} T_ENGINE=${T_ENGINE:-150} \
-  ENGINE_MODES="pdl ${MODES=$H200_MODES pdl_clusterroute pdl_fillcols pdl_cudanorm pdl_normfold pdl_clusterroute_normfold}" CONTEXT=${BASE_CONTEXT:-128,2048} STREAMS=${BASE_STREAMS:-1,8,64} TAG=_base \
+  ENGINE_MODES="pdl ${MODES=$H200_MODES pdl_clusterroute pdl_fillcols pdl_cudanorm pdl_normfold pdl_clusterroute_normfold}" CONTEXT=${BASE_CONTEXT:-128,2048} STREAMS=${BASE_STREAMS:-1,64} TAG=_base \
   bash bench/gpu_ab.sh 2>&1 | grep -v "^context\|^KV pool"
-# the q4 linear at 9-64 rows with x staged once a CTA (kernels/cuda_xs.py, new in v23): only
-# 64-stream steps take it; 8 or 4 warps a CTA
-stamp "x-staged q4 linear at 64 streams"
+# the q4 linear at 9-64 rows with x staged once a CTA (kernels/cuda_xs.py, new in v23; 8 or 4
+# warps a CTA) and the grouped q4 experts the same way (xe, new in v24): only 9-64-stream steps
+# take them
+stamp "x-staged q4 linear and experts at 64 streams"
 KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=3 T_ENGINE=150 CONTEXT=${BASE_CONTEXT:-128,2048} STREAMS=64 TAG=_xs \
-  ENGINE_MODES="${XS_MODES=pdl_xs64 pdl_xs64_xsw4}" bash bench/gpu_ab.sh 2>&1 | grep -v "^context\|^KV pool\|^NVIDIA\|^torch"
+  ENGINE_MODES="${XS_MODES=pdl_xs64 pdl_xs64_xsw4 pdl_xe64 pdl_xs64_xe64}" bash bench/gpu_ab.sh 2>&1 | grep -v "^context\|^KV pool\|^NVIDIA\|^torch"
 # the fastest mode at 128 x 1, if 1.5% faster than the defaults there (and not 1% slower at
 # 128 x 64), gets the engine's bitwise sets next (the judge before it may become a default;
 # the steps after them matter less: a call cut at its limit loses those first)

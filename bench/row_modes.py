@@ -48,6 +48,9 @@ SWAP_VARIANTS = ((1, 4), (2, 4), (1, 8), (2, 8))
 # (warps a CTA, ring depth or None: the plan's) of the x-staged form (kernels/cuda_xs.py)
 # timed with --cuda at 9-64 rows
 XS_VARIANTS = ((8, None), (4, None), (8, 4), (4, 4))
+# (rows a pass, ring depth) of the x-staged experts (kernels/cuda_xs.py `experts_grouped`)
+# timed with --cuda at 9-64 tokens
+XE_VARIANTS = ((16, 8), (16, 4), (32, 4), (16, 2))
 
 
 def _roomy(lin: q4_layout.Q4Linear) -> q4_layout.Q4Linear:
@@ -129,7 +132,8 @@ def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles, weights=("qkv", "
     return rows
 
 
-def moe_modes(copy_gbs: float, ts, tiles, maxnregs, dense_tiles, profile=False) -> list[dict]:
+def moe_modes(copy_gbs: float, ts, tiles, maxnregs, dense_tiles, profile=False,
+              cuda=False) -> list[dict]:
     g = torch.Generator(DEV).manual_seed(1)
     router = triton_linear.to_gpu_format(rand_q4(128, 2048, g))
     pairs = tuple((rand_q4(1536, 2048, g), rand_q4(2048, 768, g)) for _ in range(128))
@@ -167,8 +171,15 @@ def moe_modes(copy_gbs: float, ts, tiles, maxnregs, dense_tiles, profile=False) 
                 "dense": True, "DENSE_DOWN": (down3, 3)}))
             modes.append(("dense gu flat2, down flat3", None, None, {
                 "dense": True, "DENSE_GATE_UP": (gu3, 2), "DENSE_DOWN": (down3, 3)}))
+        if cuda and cuda_xs.experts_fit(stacked, x, t):  # the slot's rows staged once a CTA
+            modes += [(f"cuda xe r{r} d{d}", None, None, {"CUDA_XS_MAX_TOKENS": t, "xe": (r, d)})
+                      for r, d in XE_VARIANTS]
         modes.append(("plan", None, None, {}))
         for label, tile, seq, knobs in modes:
+            xe = knobs.pop("xe", None)
+            xe_default = (cuda_xs.EXPERT_ROWS, cuda_xs.EXPERT_DEPTH)
+            if xe:
+                cuda_xs.EXPERT_ROWS, cuda_xs.EXPERT_DEPTH = xe
             inter = torch.empty(t * 8, 768, dtype=torch.float16, device=DEV)
             y = torch.empty(t * 8, 2048, device=DEV)
             kw = {k: knobs.pop(k) for k in ("dense", "flat") if k in knobs}
@@ -183,6 +194,7 @@ def moe_modes(copy_gbs: float, ts, tiles, maxnregs, dense_tiles, profile=False) 
                     print(f"    {us:>9.1f} µs {calls:>4.1f}x  {name[:80]}")
             for k, v in default.items():
                 setattr(triton_moe, k, v)
+            cuda_xs.EXPERT_ROWS, cuda_xs.EXPERT_DEPTH = xe_default
             if ref is None:
                 ref = y.clone()
             rows.append(_row("experts", "E128k8", t, label, ms, nbytes, flops, copy_gbs,
@@ -207,7 +219,7 @@ def main() -> None:
     ap.add_argument("--dense-from", type=int, default=256, help="rows from which dense modes run")
     ap.add_argument("--weights", default="qkv,o,router", help=f"linear weights, of {','.join(SHAPES)}")
     ap.add_argument("--cuda", action="store_true",
-                    help="also the split programs in CUDA C++ (kernels/cuda_q4.py)")
+                    help="also the CUDA C++ forms (kernels/cuda_q4.py, kernels/cuda_xs.py)")
     ap.add_argument("--cold", type=int, default=0,
                     help="linear: time over this many copies of each weight (none in L2)")
     ap.add_argument("--max-programs", type=int, default=None,
@@ -229,7 +241,8 @@ def main() -> None:
     ts = [int(v) for v in args.ts.split(",") if v]
     if ts:  # --ts "": no MoE rows
         rows += moe_modes(copy_gbs, ts, moe_tiles,
-                          [int(v) or None for v in args.maxnreg.split(",")], dense, args.kernels)
+                          [int(v) or None for v in args.maxnreg.split(",")], dense, args.kernels,
+                          args.cuda)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_gbs": copy_gbs, "rows": rows}, f, indent=1)

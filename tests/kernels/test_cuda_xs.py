@@ -1,7 +1,7 @@
-"""kernels/cuda_xs.py without a GPU: the module compiles for sm_90 without spills, its split
-CTAs a thread block cluster that merges through distributed shared memory, the A fragments by
-ldmatrix from the staged rows; the host side declines what it cannot take. Its values are
-checked on a GPU (tests/kernels/test_gpu.py)."""
+"""kernels/cuda_xs.py without a GPU: the modules (the linear's, the experts') compile for sm_90
+without spills, their split CTAs a thread block cluster that merges through distributed shared
+memory, the A fragments by ldmatrix from the staged rows; the host side declines what it cannot
+take. Their values are checked on a GPU (tests/kernels/test_gpu.py)."""
 
 from __future__ import annotations
 
@@ -50,3 +50,62 @@ def test_the_xs_linear_declines_what_it_cannot_take():
     lin = q4_layout.repack(Linear.q4(torch.zeros(128, 1024, dtype=torch.uint8), scale, -8 * scale))
     for rows in (8, 16, 65):
         assert not cuda_xs.fits(lin, torch.zeros(rows, 2048), torch.zeros(rows, 128))
+
+
+@pytest.mark.skipif(not ptxas.HAVE_NVRTC, reason="needs NVRTC and the CUDA headers")
+def test_the_experts_module_compiles_as_split_clusters_without_spills(tmp_path):
+    """gate_up (SiLU · up into fp16) and down (fp32 sums) for 16 / 32 rows a pass, the gate_up
+    waiting before it reads the slots, down reading them (and its first weights) before."""
+    code = cuda_xs.ptx("compute_90", experts=True)
+    assert set(re.findall(rb"\.entry (\w+)\(", code)) == set(cuda_xs.EXPERT_ENTRIES)
+    bodies = {b.split("(")[0]: b for b in code.decode().split(".visible .entry ")[1:]}
+    for s in cuda_xs.SPLITS:
+        for mt in cuda_xs.EXPERT_M_TILES:
+            gu, dn = bodies[f"q4_xegu{mt}_s{s}_d4"], bodies[f"q4_xedn{mt}_s{s}_d4"]
+            for body in (gu, dn):
+                assert body.count("griddepcontrol.wait;") == 1
+                assert body.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") >= 2 * mt
+                assert body.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") >= 4 * mt
+                assert ("barrier.cluster.arrive" in body) == (s > 1)
+                if s > 1:
+                    assert re.search(rf"\.reqnctapercluster\s+1,\s*{s},\s*1", body)
+                    assert "ld.shared::cluster.v4.f32" in body
+            # gate_up: SiLU's ex2 and the fp16 stores; down: neither
+            assert "ex2.approx.f32" in gu and "cvt.rn.f16.f32" in gu
+            assert "ex2.approx.f32" not in dn
+            # gate_up reads the slot count only after its wait; down before (global loads first)
+            assert gu.index("griddepcontrol.wait;") < gu.index("ld.global")
+            assert dn.index("ld.global") < dn.index("griddepcontrol.wait;")
+    built = ptxas.report(code, tmp_path)
+    assert set(built) == {n.decode() for n in cuda_xs.EXPERT_ENTRIES}
+    assert not any(spill for _, spill in built.values())
+    # 16 rows a pass: two 256-thread CTAs an SM at every depth
+    assert all(built[f"q4_xe{k}1_s{s}_d{d}"][0] <= 128 for k in ("gu", "dn")
+               for s in cuda_xs.SPLITS for d in cuda_xs.EXPERT_DEPTHS)
+
+
+def test_the_experts_plan_and_decline():
+    """The ring depth divides a split's blocks; shared memory holds the staged rows (or the
+    partial tile) and the pass's assignment ids; CPU tensors and other token counts decline."""
+    # Qwen3-30B-A3B: gate_up [1536, 2048] in 2 splits (32 blocks each), down [2048, 768] (12)
+    assert cuda_xs._expert_plan(1536, 2048, 2, 16, 8) == (1, 8, 16 * 1032 * 2 + 64, 16 * 1032 * 2)
+    assert cuda_xs._expert_plan(2048, 768, 2, 16, 8) == (1, 4, 16 * 392 * 2 + 64, 16 * 392 * 2)
+    assert cuda_xs._expert_plan(2048, 768, 2, 32, 8)[:2] == (2, 4)
+    assert cuda_xs._expert_plan(2048, 768, 1, 16, 8)[1] == 8  # 24 blocks
+    assert cuda_xs._expert_plan(2048, 768, 4, 16, 8)[1] == 2  # 6 blocks
+    from kernels import q4_layout, moe_layout
+    from kernels.linear import Linear
+
+    def q4(n, k):
+        scale = torch.full((n, k // 32), 0.01)
+        return Linear.q4(torch.zeros(n, k // 2, dtype=torch.uint8), scale, -8 * scale)
+
+    stacked = moe_layout.StackedExperts.stack(tuple((q4(256, 128), q4(128, 128)) for _ in range(4)))
+    assert stacked.fmt == "q4" and q4_layout.Q4Tile() is not None
+    for t in (8, 16, 65):
+        assert not cuda_xs.experts_fit(stacked, torch.zeros(t, 128), t)
+    with pytest.raises(ValueError):
+        cuda_xs.experts_grouped(torch.zeros(16, 128), torch.zeros(3, dtype=torch.int32),
+                                torch.zeros(1, 16, dtype=torch.int32), 2, stacked,
+                                torch.zeros(32, 128, dtype=torch.float16), torch.zeros(32, 128),
+                                rows=48)

@@ -401,6 +401,55 @@ def test_the_x_staged_linear_gives_the_decode_tile_bits(n, k, programs, monkeypa
     assert torch.equal(triton_linear.linear(lin, x[:24], residual=res[:24]), want_res[:24])
 
 
+def test_the_x_staged_experts_give_the_grouped_programs_bits(monkeypatch):
+    """kernels/cuda_xs.py `experts_grouped` at 9-64 tokens (16 / 32 rows a pass, rings of 2-8,
+    the experts' K in 1, 2 and 4 splits): inter and y the grouped Triton programs' bits row for
+    row, so a row's bits at one token (the direct CTA form); a slot of 64 rows (4 passes);
+    triton_moe routes to it under CUDA_XS_MAX_TOKENS."""
+    from kernels import cuda_xs
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("cuda_xs needs sm_90")
+    router, experts, stacked = real_moe()
+    g = torch.Generator(DEV).manual_seed(7)
+    x = torch.randn(64, 2048, generator=g, device=DEV)
+    ids = torch.full((64, 8), -5, dtype=torch.int32, device=DEV)
+    triton_moe_route.route(x, router, 8, True, ids, nan(64, 8))
+    skewed = torch.arange(8, dtype=torch.int32, device=DEV).repeat(64, 1)  # one slot of 64 rows
+
+    def grouped(st, t, ids, rows, depth):
+        meta, arows = triton_moe_route.align(ids[:t].contiguous(), 128)
+        inter, y = nan(t * 8, 768).half(), nan(t * 8, 2048)
+        cuda_xs.experts_grouped(x[:t], meta, arows, 8, st, inter, y, rows, depth)
+        return inter, y
+
+    def triton(st, t, ids):
+        inter, y = nan(t * 8, 768).half(), nan(t * 8, 2048)
+        triton_moe.experts_forward(x[:t], ids[:t].contiguous(), st, inter, y)
+        return inter, y
+
+    for programs in (None, 32, 128):
+        st = stacked if programs is None else moe_layout.StackedExperts.stack(experts, programs=programs)
+        assert st.gu_split in cuda_xs.SPLITS and st.down_split in cuda_xs.SPLITS, programs
+        want_inter, want_y = triton(st, 64, ids)
+        for t, rows, depth in ((9, 16, 8), (16, 32, 4), (40, 16, 2), (64, 16, 8), (64, 32, 2)):
+            assert cuda_xs.experts_fit(st, x[:t], t), t
+            inter, y = grouped(st, t, ids, rows, depth)
+            assert torch.equal(inter, want_inter[:t * 8]), (programs, t, rows, depth)
+            assert torch.equal(y, want_y[:t * 8]), (programs, t, rows, depth)
+        one = triton(st, 1, ids)  # the direct CTA form at one token: the same row
+        assert torch.equal(one[1], want_y[:8]) and torch.equal(one[0], want_inter[:8]), programs
+        want_inter, want_y = triton(st, 64, skewed)
+        inter, y = grouped(st, 64, skewed, 16, 8)
+        assert torch.equal(inter, want_inter) and torch.equal(y, want_y), programs
+    want = _moe(x, router, stacked)[2]
+    monkeypatch.setattr(triton_moe, "CUDA_XS_MAX_TOKENS", 64)
+    calls = []
+    real = cuda_xs.experts_grouped
+    monkeypatch.setattr(cuda_xs, "experts_grouped", lambda *a: calls.append(1) or real(*a))
+    assert torch.equal(_moe(x[:24], router, stacked)[2], want[:24])
+    assert torch.equal(_moe(x, router, stacked)[2], want) and len(calls) == 2
+
+
 def test_long_prefills_split_into_launches_change_no_bits(monkeypatch):
     """Split programs take SPLIT_ROWS rows per launch and the experts' CHUNK_TOKENS tokens per
     pass (bounded partials): a row's bits are those of one launch (of the one-program splits,
