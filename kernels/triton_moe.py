@@ -628,7 +628,7 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
             return
     if (CUDA_XS_MAX_TOKENS and t <= CUDA_XS_MAX_TOKENS and tile is None and seq is None
             and dense is None and not (t <= DIRECT_MAX_TOKENS and t * top_k <= experts.num_experts)
-            and ids.dtype == torch.int32 and ids.is_contiguous()
+            and ids.dtype == torch.int32 and ids.is_contiguous() and inter.data_ptr() % 16 == 0
             and inter.shape == (t * top_k, experts.inter) and y.shape == (t * top_k, experts.hidden)):
         from kernels import cuda_xs
         if cuda_xs.experts_fit(experts, x, t):  # the grouped split programs' bits
