@@ -74,6 +74,8 @@ def apply(mode: str) -> None:
             cuda_xs.EXPERT_ROWS = int(re.search(r'xerows([0-9]+)', mode).group(1))
         if re.search(r'xedepth[0-9]+', mode):  # ... ring depth (8)
             cuda_xs.EXPERT_DEPTH = int(re.search(r'xedepth([0-9]+)', mode).group(1))
+        if re.search(r'xetiles[0-9]+', mode):  # ... column tiles a CTA (2)
+            cuda_xs.EXPERT_TILES = int(re.search(r'xetiles([0-9]+)', mode).group(1))
     if re.search(r'cswmt[0-9]+', mode):  # ... its m16 feature tiles a warp
         from kernels import cuda_q4
         cuda_q4.SWAP_MT = int(re.search(r'cswmt([0-9]+)', mode).group(1))

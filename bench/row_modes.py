@@ -48,9 +48,9 @@ SWAP_VARIANTS = ((1, 4), (2, 4), (1, 8), (2, 8))
 # (warps a CTA, ring depth or None: the plan's) of the x-staged form (kernels/cuda_xs.py)
 # timed with --cuda at 9-64 rows
 XS_VARIANTS = ((8, None), (4, None), (8, 4), (4, 4))
-# (rows a pass, ring depth) of the x-staged experts (kernels/cuda_xs.py `experts_grouped`)
-# timed with --cuda at 9-64 tokens
-XE_VARIANTS = ((16, 8), (16, 4), (32, 4), (16, 2))
+# (rows a pass, ring depth, column tiles a CTA) of the x-staged experts (kernels/cuda_xs.py
+# `experts_grouped`) timed with --cuda at 9-64 tokens
+XE_VARIANTS = ((16, 8, 1), (16, 8, 2), (16, 8, 4), (16, 4, 2), (32, 4, 2), (16, 2, 2), (16, 2, 4))
 
 
 def _roomy(lin: q4_layout.Q4Linear) -> q4_layout.Q4Linear:
@@ -172,14 +172,14 @@ def moe_modes(copy_gbs: float, ts, tiles, maxnregs, dense_tiles, profile=False,
             modes.append(("dense gu flat2, down flat3", None, None, {
                 "dense": True, "DENSE_GATE_UP": (gu3, 2), "DENSE_DOWN": (down3, 3)}))
         if cuda and cuda_xs.experts_fit(stacked, x, t):  # the slot's rows staged once a CTA
-            modes += [(f"cuda xe r{r} d{d}", None, None, {"CUDA_XS_MAX_TOKENS": t, "xe": (r, d)})
-                      for r, d in XE_VARIANTS]
+            modes += [(f"cuda xe r{r} d{d} t{n}", None, None,
+                       {"CUDA_XS_MAX_TOKENS": t, "xe": (r, d, n)}) for r, d, n in XE_VARIANTS]
         modes.append(("plan", None, None, {}))
         for label, tile, seq, knobs in modes:
             xe = knobs.pop("xe", None)
-            xe_default = (cuda_xs.EXPERT_ROWS, cuda_xs.EXPERT_DEPTH)
+            xe_default = (cuda_xs.EXPERT_ROWS, cuda_xs.EXPERT_DEPTH, cuda_xs.EXPERT_TILES)
             if xe:
-                cuda_xs.EXPERT_ROWS, cuda_xs.EXPERT_DEPTH = xe
+                cuda_xs.EXPERT_ROWS, cuda_xs.EXPERT_DEPTH, cuda_xs.EXPERT_TILES = xe
             inter = torch.empty(t * 8, 768, dtype=torch.float16, device=DEV)
             y = torch.empty(t * 8, 2048, device=DEV)
             kw = {k: knobs.pop(k) for k in ("dense", "flat") if k in knobs}
@@ -194,7 +194,7 @@ def moe_modes(copy_gbs: float, ts, tiles, maxnregs, dense_tiles, profile=False,
                     print(f"    {us:>9.1f} µs {calls:>4.1f}x  {name[:80]}")
             for k, v in default.items():
                 setattr(triton_moe, k, v)
-            cuda_xs.EXPERT_ROWS, cuda_xs.EXPERT_DEPTH = xe_default
+            cuda_xs.EXPERT_ROWS, cuda_xs.EXPERT_DEPTH, cuda_xs.EXPERT_TILES = xe_default
             if ref is None:
                 ref = y.clone()
             rows.append(_row("experts", "E128k8", t, label, ms, nbytes, flops, copy_gbs,

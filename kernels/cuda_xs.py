@@ -29,7 +29,9 @@ sums — that form's bits, and so the grouped split programs'. Why: at 64 tokens
 Triton expert programs dequantize each block for ~4 rows at 2.2 weights a warp instruction and
 issue on 62-64% of cycles (v21 ncu, H200: gate_up 90.3 µs, down 55.5 a layer at 50-58% of
 DRAM's peak); here a warp dequantizes 16 weights per ~13 instructions for all the slot's rows.
-grid (N / (16 W), S, slots); the same cluster; shared memory as above plus 16 MT ints."""
+A CTA runs `tiles` column tiles in turn on its staged rows (EXPERT_TILES). grid (N / (16 W
+tiles), S, slots); the same cluster; shared memory: the staged rows, the partial tile (apart:
+the rows stay for the next tile) and 16 MT ints."""
 
 from __future__ import annotations
 
@@ -132,18 +134,18 @@ __device__ __forceinline__ void xs_ring(float acc[MT][NT][4], const __half* xs, 
 }
 
 // The S split CTAs' partial tiles merged: each CTA writes its tile [16 MT][WC] into its shared
-// memory (over the staged x: every warp must be past its last ldmatrix), and after a cluster
-// barrier CTA sp takes the elements sp, sp + S, ... (4 at a time) of rows below `rows`, sums
-// the ranks' partials in split order 0..S-1 and hands each quad to epi(r, cc, v); a second
-// barrier phase keeps every CTA (and its shared memory) until no rank reads it any more.
+// memory at `part` (where it overlaps the staged x, every warp must be past its last
+// ldmatrix: the first barrier), and after a cluster barrier CTA sp takes the elements sp,
+// sp + S, ... (4 at a time) of rows below `rows`, sums the ranks' partials in split order
+// 0..S-1 and hands each quad to epi(r, col0 + its column, v); a second barrier phase keeps
+// every CTA (and its shared memory) until no rank reads it any more.
 template <int MT, int NT, int S, typename Epi>
-__device__ __forceinline__ void xs_merge(float acc[MT][NT][4], unsigned char* smem, int rows,
+__device__ __forceinline__ void xs_merge(float acc[MT][NT][4], float* part, int col0, int rows,
                                          Epi epi) {
   constexpr int C = 8 * NT, R = 16 * MT;
   const int WC = (blockDim.x >> 5) * C, sp = blockIdx.y;
   const int lane = threadIdx.x & 31, c = lane & 3, g = lane >> 2, w = threadIdx.x >> 5;
   __syncthreads();
-  float* part = reinterpret_cast<float*>(smem);  // [R][WC]: this split's partial tile
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -168,7 +170,7 @@ __device__ __forceinline__ void xs_merge(float acc[MT][NT][4], unsigned char* sm
       const float4 p = load_rank(part + 4 * e, q);
       v.x = v.x + p.x; v.y = v.y + p.y; v.z = v.z + p.z; v.w = v.w + p.w;
     }
-    epi(r, blockIdx.x * WC + cc, v);
+    epi(r, col0 + cc, v);
   }
   if (S > 1) {  // no CTA leaves (or stages over its partials) while another may still read them
     cluster_arrive();
@@ -210,7 +212,8 @@ __device__ __forceinline__ void q4_xs(const float* __restrict__ x, const unsigne
   __syncthreads();
   float acc[MT][NT][4];
   xs_ring<MT, NT, D>(acc, xs, ld, lane, wb, sb, wstep, N, (k_hi - k_lo) >> 5, sel, w0, w1, wsm);
-  xs_merge<MT, NT, S>(acc, smem, M - m0, [&](int r, long col, float4 v) {
+  xs_merge<MT, NT, S>(acc, reinterpret_cast<float*>(smem), blockIdx.x * WC, M - m0,
+                      [&](int r, long col, float4 v) {
     float* yr = y + (long)(m0 + r) * stride_y + col;
     if (has_res) {
       const float* rr = res + (long)(m0 + r) * stride_res + col;
@@ -221,34 +224,34 @@ __device__ __forceinline__ void q4_xs(const float* __restrict__ x, const unsigne
 }
 
 // ---- the MoE experts at 9-64 tokens (triton_moe's grouped path): a CTA one slot (an expert
-// and the assignments routed to it, from triton_moe_route.align's meta / arows), one column
-// tile of 16 W and one K split; the slot's rows 16 MT at a time staged as fp16, the weight's
-// blocks dequantized once for all of them; the split CTAs one cluster, merged in split order.
-// GATE_UP: x the tokens' fp32 rows (token a / topk of assignment a); the columns interleave
-// gate and up, so a quad of columns gives inter[a, col / 2 ..+1] = silu(gate) * up in fp16
-// (q4_expert_cta's silu_mul). Else (down): x = inter[a] (fp16), y[a, col..] = the sums.
-// GATE_UP waits first (align, its predecessor, wrote meta); down reads meta / arows (two
-// kernels back, final by then) and its first weights before its wait. A slot past meta[0]
-// leaves at once (the whole cluster: the slot is the cluster's). Shared memory: the staged
-// rows / partial tile, then R ints of assignment ids.
+// and the assignments routed to it, from triton_moe_route.align's meta / arows), one K split
+// and `tiles` column tiles of 16 W in turn; the slot's rows are staged as fp16 16 MT at a time
+// (once for all the tiles) and each weight block is dequantized once for all of them; the split
+// CTAs are one cluster, merged in split order. The next tile's first D weight blocks are loaded
+// before a tile's merge. GATE_UP: x the tokens' fp32 rows (token a / topk of assignment a); the
+// columns interleave gate and up, so a quad of columns gives inter[a, col / 2 ..+1] =
+// silu(gate) * up in fp16 (q4_expert_cta's silu_mul). Else (down): x = inter[a] (fp16),
+// y[a, col..] = the sums. GATE_UP waits first (align, its predecessor, wrote meta); down reads
+// meta / arows (two kernels back, final by then) and its first weights before its wait. A slot
+// past meta[0] leaves at once (the whole cluster: the slot is the cluster's). Shared memory:
+// the staged rows [16 MT][per + 8] halves, the partial tile [16 MT][16 W] floats, 16 MT ints.
 template <int MT, int NT, int D, int S, bool GATE_UP>
 __device__ __forceinline__ void q4_xs_experts(const void* __restrict__ xv, const int* __restrict__ meta,
                                               const int* __restrict__ arows,
                                               const unsigned char* __restrict__ qs,
                                               const unsigned* __restrict__ sm, void* __restrict__ outv,
                                               int T, int N, int K, int stride_x, int stride_out,
-                                              int topk, int arow_off) {
+                                              int topk, int tiles) {
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int C = 8 * NT, R = 16 * MT;
   const int W = blockDim.x >> 5, WC = W * C;
   const int lane = threadIdx.x & 31, c = lane & 3, g = lane >> 2, w = threadIdx.x >> 5;
-  const int sp = blockIdx.y, slot = blockIdx.z, n0 = blockIdx.x * WC + w * C;
+  const int sp = blockIdx.y, slot = blockIdx.z, t0 = blockIdx.x * tiles;
   if (GATE_UP) pdl_wait();
   if (slot >= meta[0]) return;
   const long e = meta[1 + 2 * slot];
   const int count = meta[2 + 2 * slot];
   const int* mine = arows + (long)slot * T;
-  int* arow = reinterpret_cast<int*>(smem + arow_off);  // [R]: the chunk's assignments
   const long per_expert = (long)(K >> 5) * N;  // an expert's blocks (and (scale, min) words)
   int k_lo, k_hi, word;
   unsigned sel;
@@ -256,23 +259,24 @@ __device__ __forceinline__ void q4_xs_experts(const void* __restrict__ xv, const
   lane_bytes(c, sel, word);
   const int per = ((K / 64 + S - 1) / S) * 64, ld = per + 8;
   __half* xs = reinterpret_cast<__half*>(smem);
+  float* part = reinterpret_cast<float*>(smem + R * ld * 2);
+  int* arow = reinterpret_cast<int*>(smem + R * ld * 2 + R * WC * 4);  // the pass's assignments
   const long wstep = (long)N * 16;
-  const unsigned char* w_base = qs + (e * per_expert + (long)(k_lo >> 5) * N + n0 + g) * 16 + word;
-  const unsigned* s_base = sm + e * per_expert + (long)(k_lo >> 5) * N + n0 + g;
-  bool waited = GATE_UP;
-  for (int m0 = 0; m0 < count; m0 += R) {  // the slot's rows, R at a time
-    unsigned w0[D][NT], w1[D][NT], wsm[D][NT];
-    const unsigned char* wb = w_base;
-    const unsigned* sb = s_base;
+  // tile t's column base for this warp, and its first block's words
+  const unsigned char* w_base =
+      qs + (e * per_expert + (long)(k_lo >> 5) * N + g + w * C) * 16 + word;
+  const unsigned* s_base = sm + e * per_expert + (long)(k_lo >> 5) * N + g + w * C;
+  const int nb = (k_hi - k_lo) >> 5;
+  unsigned w0[D][NT], w1[D][NT], wsm[D][NT];
+  const unsigned char* wb = w_base + (long)t0 * WC * 16;
+  const unsigned* sb = s_base + (long)t0 * WC;
 #pragma unroll
-    for (int j = 0; j < D; ++j) {
-      load_block<NT>(wb, sb, w0[j], w1[j], wsm[j]);
-      wb += wstep; sb += N;
-    }
-    if (!waited) {  // down: gate_up wrote inter
-      pdl_wait();
-      waited = true;
-    }
+  for (int j = 0; j < D; ++j) {
+    load_block<NT>(wb, sb, w0[j], w1[j], wsm[j]);
+    wb += wstep; sb += N;
+  }
+  if (!GATE_UP) pdl_wait();  // down: gate_up wrote inter
+  for (int m0 = 0; m0 < count; m0 += R) {  // the slot's rows, R at a time
     for (int r = threadIdx.x; r < R; r += blockDim.x) arow[r] = m0 + r < count ? mine[m0 + r] : -1;
     __syncthreads();
     if constexpr (GATE_UP) {
@@ -287,21 +291,34 @@ __device__ __forceinline__ void q4_xs_experts(const void* __restrict__ xv, const
       });
     }
     __syncthreads();
-    float acc[MT][NT][4];
-    xs_ring<MT, NT, D>(acc, xs, ld, lane, wb, sb, wstep, N, (k_hi - k_lo) >> 5, sel, w0, w1, wsm);
-    xs_merge<MT, NT, S>(acc, smem, count - m0, [&](int r, long col, float4 v) {
-      const long a = arow[r];
-      if constexpr (GATE_UP) {  // columns col, col + 1: gate j, up j (j = col / 2); + 2, + 3
-        *reinterpret_cast<__half2*>(reinterpret_cast<__half*>(outv) + a * stride_out + col / 2) =
-            __halves2half2(__float2half_rn(silu_mul(v.x, v.y)), __float2half_rn(silu_mul(v.z, v.w)));
-      } else {
-        float* yr = reinterpret_cast<float*>(outv) + a * stride_out + col;
-        yr[0] = v.x; yr[1] = v.y; yr[2] = v.z; yr[3] = v.w;
+    for (int t = 0; t < tiles; ++t) {
+      float acc[MT][NT][4];
+      xs_ring<MT, NT, D>(acc, xs, ld, lane, wb, sb, wstep, N, nb, sel, w0, w1, wsm);
+      // the next tile's (or the next pass's first tile's) first D blocks, before the merge
+      const int tn = t + 1 < tiles ? t0 + t + 1 : (m0 + R < count ? t0 : -1);
+      if (tn >= 0) {
+        wb = w_base + (long)tn * WC * 16;
+        sb = s_base + (long)tn * WC;
+#pragma unroll
+        for (int j = 0; j < D; ++j) {
+          load_block<NT>(wb, sb, w0[j], w1[j], wsm[j]);
+          wb += wstep; sb += N;
+        }
       }
-    });
+      xs_merge<MT, NT, S>(acc, part, (t0 + t) * WC, count - m0, [&](int r, long col, float4 v) {
+        const long a = arow[r];
+        if constexpr (GATE_UP) {  // columns col, col + 1: gate j, up j (j = col / 2); + 2, + 3
+          __half* o = reinterpret_cast<__half*>(outv) + a * stride_out + col / 2;
+          *reinterpret_cast<__half2*>(o) = __halves2half2(__float2half_rn(silu_mul(v.x, v.y)),
+                                                          __float2half_rn(silu_mul(v.z, v.w)));
+        } else {
+          float* yr = reinterpret_cast<float*>(outv) + a * stride_out + col;
+          yr[0] = v.x; yr[1] = v.y; yr[2] = v.z; yr[3] = v.w;
+        }
+      });
+    }
   }
 }
-
 """
 XS_ENTRIES = r"""
 #define Q4_XS(MT, S, D) extern "C" __global__ void __cluster_dims__(1, S, 1) \
@@ -319,9 +336,9 @@ XE = r"""
     __launch_bounds__(256, MT * D > 8 ? 1 : 2) q4_xe##KIND##MT##_s##S##_d##D( \
         const void* x, const int* meta, const int* arows, const unsigned char* qs, \
         const unsigned* sm, void* out, int T, int N, int K, int stride_x, int stride_out, \
-        int topk, int arow_off) { \
+        int topk, int tiles) { \
     q4_xs_experts<MT, 2, D, S, GU>(x, meta, arows, qs, sm, out, T, N, K, stride_x, stride_out, \
-                                   topk, arow_off); }
+                                   topk, tiles); }
 #define Q4_XE_D(KIND, GU, MT, S) Q4_XE(KIND, GU, MT, S, 2) Q4_XE(KIND, GU, MT, S, 4) \
     Q4_XE(KIND, GU, MT, S, 8)
 #define Q4_XE_S(S) Q4_XE_D(gu, true, 1, S) Q4_XE_D(gu, true, 2, S) Q4_XE_D(dn, false, 1, S) \
@@ -345,6 +362,9 @@ EXPERT_ENTRIES = tuple(f"q4_xe{kind}{mt}_s{s}_d{d}".encode() for s in SPLITS
 EXPERT_SOURCE = cuda_route.CLUSTER_DEVICE + XS + XE
 EXPERT_ROWS = 16  # assignments a pass (MT = 1): 64 tokens' top-8 over 128 experts give ~4 a slot
 EXPERT_DEPTH = 8  # blocks in flight a warp (the deepest dividing a split's blocks)
+# column tiles (of 16 W) a CTA runs in turn on its staged rows (the most dividing N's, up to
+# this): fewer, longer-lived CTAs, the wait, the slot's ids and the staging once for them all
+EXPERT_TILES = 2
 
 
 def ptx(arch: str = "compute_90", cache: bool = True, experts: bool = False) -> bytes:
@@ -437,17 +457,19 @@ def experts_available(device: int) -> bool:
     return True
 
 
-def _expert_plan(n: int, k: int, split: int, rows: int, depth: int) -> tuple[int, int, int, int]:
-    """(m16 tiles a pass, ring depth, shared memory bytes, offset of the assignment ids) of one
-    expert GEMM [n, k] in `split` K splits: the deepest ring up to `depth` dividing the split's
-    blocks, the staged rows (or the partial tile) then 16 MT ints."""
+def _expert_plan(n: int, k: int, split: int, rows: int, depth: int,
+                 tiles: int = 1) -> tuple[int, int, int, int]:
+    """(m16 tiles a pass, ring depth, shared memory bytes, column tiles a CTA) of one expert
+    GEMM [n, k] in `split` K splits: the deepest ring up to `depth` dividing the split's
+    blocks; the staged rows, the partial tile and 16 MT ints; the most column tiles up to
+    `tiles` dividing n's."""
     mt = rows // 16
     per = -(-k // 64 // split) * 64
     d = depth
     while (per // 32) % d:
         d //= 2
-    off = max(16 * mt * (per + 8) * 2, 16 * mt * COLS * WARPS * 4)
-    return mt, d, off + 16 * mt * 4, off
+    t = max(v for v in range(1, tiles + 1) if (n // (COLS * WARPS)) % v == 0)
+    return mt, d, 16 * mt * ((per + 8) * 2 + COLS * WARPS * 4 + 4), t
 
 
 def experts_fit(experts, x: torch.Tensor, t: int) -> bool:
@@ -473,14 +495,14 @@ def experts_fit(experts, x: torch.Tensor, t: int) -> bool:
 
 def experts_grouped(x: torch.Tensor, meta: torch.Tensor, arows: torch.Tensor, top_k: int,
                     experts, inter: torch.Tensor, y: torch.Tensor, rows: int | None = None,
-                    depth: int | None = None) -> None:
+                    depth: int | None = None, tiles: int | None = None) -> None:
     """triton_moe's grouped q4 experts (`experts_fit` first): meta / arows from
     triton_moe_route.align of the [T, top_k] ids; inter [T*k, I] fp16 = silu(x W_gate.T) *
     (x W_up.T), then y [T*k, hidden] fp32 = inter W_down.T — each slot's rows staged once a
     pass, the weight's K splits one cluster merged in split order: the bits of the direct CTA
     form (q4_expert_cta) and of triton_moe's split programs, row for row. rows (16 or 32 a
-    pass) and depth change no bit."""
-    rows, depth = rows or EXPERT_ROWS, depth or EXPERT_DEPTH
+    pass), depth and tiles (column tiles a CTA) change no bit."""
+    rows, depth, tiles = rows or EXPERT_ROWS, depth or EXPERT_DEPTH, tiles or EXPERT_TILES
     if rows not in tuple(16 * m for m in EXPERT_M_TILES) or depth not in EXPERT_DEPTHS:
         raise ValueError("cuda_xs: experts take 16 or 32 rows a pass and a depth of 2, 4 or 8")
     if inter.dtype != torch.float16 or y.dtype != torch.float32 or not inter.is_contiguous() \
@@ -498,8 +520,8 @@ def experts_grouped(x: torch.Tensor, meta: torch.Tensor, arows: torch.Tensor, to
     (gw, gs), (dw, ds) = experts.gu, experts.down
     for kind, src, w, s, dst, n, k, split in (("gu", x, gw, gs, inter, 2 * i, h, experts.gu_split),
                                                ("dn", inter, dw, ds, y, h, i, experts.down_split)):
-        mt, d, smem, off = _expert_plan(n, k, split, rows, depth)
+        mt, d, smem, nt = _expert_plan(n, k, split, rows, depth, tiles)
         cuda_q4._launch(cuda, fns[f"q4_xe{kind}{mt}_s{split}_d{d}".encode()],
-                        (n // (COLS * WARPS), split, slots), 32 * WARPS, smem,
+                        (n // (COLS * WARPS) // nt, split, slots), 32 * WARPS, smem,
                         (src, meta, arows, w, s.view(torch.int32), dst),
-                        (t, n, k, src.stride(0), dst.stride(0), top_k, off))
+                        (t, n, k, src.stride(0), dst.stride(0), top_k, nt))

@@ -148,11 +148,11 @@ def test_the_v23_experiment_modes_set_their_knobs(mode, want):
                         "triton_linear.CUDA_XS_MAX_ROWS, cuda_xs.WARPS") == want.split()
 
 
-@pytest.mark.parametrize("mode,want", [("pdl", "None None 16 8"),
-                                       ("pdl_xe64", "64 None 16 8"),
-                                       ("pdl_xs64_xe64_xerows32_xedepth4", "64 64 32 4")])
+@pytest.mark.parametrize("mode,want", [("pdl", "None None 16 8 2"),
+                                       ("pdl_xe64", "64 None 16 8 2"),
+                                       ("pdl_xs64_xe64_xerows32_xedepth4_xetiles4", "64 64 32 4 4")])
 def test_the_x_staged_experts_mode_sets_its_knobs_alone(mode, want):
     """xeN: grouped q4 experts of up to N tokens on the x-staged form (xsN, the linear's, is
-    another knob), xerowsN / xedepthN its rows a pass and ring depth."""
+    another knob), xerowsN / xedepthN / xetilesN its rows a pass, ring depth, tiles a CTA."""
     assert _knobs(mode, "triton_moe.CUDA_XS_MAX_TOKENS, triton_linear.CUDA_XS_MAX_ROWS, "
-                        "cuda_xs.EXPERT_ROWS, cuda_xs.EXPERT_DEPTH") == want.split()
+                        "cuda_xs.EXPERT_ROWS, cuda_xs.EXPERT_DEPTH, cuda_xs.EXPERT_TILES") == want.split()

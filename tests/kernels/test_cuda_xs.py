@@ -87,12 +87,17 @@ def test_the_experts_module_compiles_as_split_clusters_without_spills(tmp_path):
 def test_the_experts_plan_and_decline():
     """The ring depth divides a split's blocks; shared memory holds the staged rows (or the
     partial tile) and the pass's assignment ids; CPU tensors and other token counts decline."""
-    # Qwen3-30B-A3B: gate_up [1536, 2048] in 2 splits (32 blocks each), down [2048, 768] (12)
-    assert cuda_xs._expert_plan(1536, 2048, 2, 16, 8) == (1, 8, 16 * 1032 * 2 + 64, 16 * 1032 * 2)
-    assert cuda_xs._expert_plan(2048, 768, 2, 16, 8) == (1, 4, 16 * 392 * 2 + 64, 16 * 392 * 2)
+    # Qwen3-30B-A3B: gate_up [1536, 2048] in 2 splits (32 blocks each), down [2048, 768] (12);
+    # shared memory: 16 rows of (split + 8) halves, the 16 x 128 partial tile, 16 ids
+    assert cuda_xs._expert_plan(1536, 2048, 2, 16, 8) == (1, 8, 16 * (1032 * 2 + 128 * 4 + 4), 1)
+    assert cuda_xs._expert_plan(2048, 768, 2, 16, 8) == (1, 4, 16 * (392 * 2 + 128 * 4 + 4), 1)
     assert cuda_xs._expert_plan(2048, 768, 2, 32, 8)[:2] == (2, 4)
     assert cuda_xs._expert_plan(2048, 768, 1, 16, 8)[1] == 8  # 24 blocks
     assert cuda_xs._expert_plan(2048, 768, 4, 16, 8)[1] == 2  # 6 blocks
+    # column tiles a CTA: the most dividing N's 128-column tiles (gate_up 12, down 16)
+    tiles = [cuda_xs._expert_plan(1536, 2048, 2, 16, 8, t)[3] for t in (1, 2, 4, 5, 12)]
+    assert tiles == [1, 2, 4, 4, 12]
+    assert [cuda_xs._expert_plan(2048, 768, 2, 16, 8, t)[3] for t in (3, 6, 8)] == [2, 4, 8]
     from kernels import q4_layout, moe_layout
     from kernels.linear import Linear
 

@@ -403,9 +403,9 @@ def test_the_x_staged_linear_gives_the_decode_tile_bits(n, k, programs, monkeypa
 
 def test_the_x_staged_experts_give_the_grouped_programs_bits(monkeypatch):
     """kernels/cuda_xs.py `experts_grouped` at 9-64 tokens (16 / 32 rows a pass, rings of 2-8,
-    the experts' K in 1, 2 and 4 splits): inter and y the grouped Triton programs' bits row for
-    row, so a row's bits at one token (the direct CTA form); a slot of 64 rows (4 passes);
-    triton_moe routes to it under CUDA_XS_MAX_TOKENS."""
+    1-12 column tiles a CTA, the experts' K in 1, 2 and 4 splits): inter and y the grouped
+    Triton programs' bits row for row, so a row's bits at one token (the direct CTA form); a
+    slot of 64 rows (4 passes); triton_moe routes to it under CUDA_XS_MAX_TOKENS."""
     from kernels import cuda_xs
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("cuda_xs needs sm_90")
@@ -416,10 +416,10 @@ def test_the_x_staged_experts_give_the_grouped_programs_bits(monkeypatch):
     triton_moe_route.route(x, router, 8, True, ids, nan(64, 8))
     skewed = torch.arange(8, dtype=torch.int32, device=DEV).repeat(64, 1)  # one slot of 64 rows
 
-    def grouped(st, t, ids, rows, depth):
+    def grouped(st, t, ids, rows, depth, tiles=None):
         meta, arows = triton_moe_route.align(ids[:t].contiguous(), 128)
         inter, y = nan(t * 8, 768).half(), nan(t * 8, 2048)
-        cuda_xs.experts_grouped(x[:t], meta, arows, 8, st, inter, y, rows, depth)
+        cuda_xs.experts_grouped(x[:t], meta, arows, 8, st, inter, y, rows, depth, tiles)
         return inter, y
 
     def triton(st, t, ids):
@@ -431,16 +431,18 @@ def test_the_x_staged_experts_give_the_grouped_programs_bits(monkeypatch):
         st = stacked if programs is None else moe_layout.StackedExperts.stack(experts, programs=programs)
         assert st.gu_split in cuda_xs.SPLITS and st.down_split in cuda_xs.SPLITS, programs
         want_inter, want_y = triton(st, 64, ids)
-        for t, rows, depth in ((9, 16, 8), (16, 32, 4), (40, 16, 2), (64, 16, 8), (64, 32, 2)):
+        for t, rows, depth, tiles in ((9, 16, 8, 1), (16, 32, 4, 2), (40, 16, 2, 4), (64, 16, 8, 12),
+                                      (64, 32, 2, 3), (64, 16, 4, None)):
             assert cuda_xs.experts_fit(st, x[:t], t), t
-            inter, y = grouped(st, t, ids, rows, depth)
-            assert torch.equal(inter, want_inter[:t * 8]), (programs, t, rows, depth)
-            assert torch.equal(y, want_y[:t * 8]), (programs, t, rows, depth)
+            inter, y = grouped(st, t, ids, rows, depth, tiles)
+            assert torch.equal(inter, want_inter[:t * 8]), (programs, t, rows, depth, tiles)
+            assert torch.equal(y, want_y[:t * 8]), (programs, t, rows, depth, tiles)
         one = triton(st, 1, ids)  # the direct CTA form at one token: the same row
         assert torch.equal(one[1], want_y[:8]) and torch.equal(one[0], want_inter[:8]), programs
         want_inter, want_y = triton(st, 64, skewed)
-        inter, y = grouped(st, 64, skewed, 16, 8)
-        assert torch.equal(inter, want_inter) and torch.equal(y, want_y), programs
+        for tiles in (1, 4):  # 4 passes of 16 rows, the next pass's first blocks early
+            inter, y = grouped(st, 64, skewed, 16, 8, tiles)
+            assert torch.equal(inter, want_inter) and torch.equal(y, want_y), (programs, tiles)
     want = _moe(x, router, stacked)[2]
     monkeypatch.setattr(triton_moe, "CUDA_XS_MAX_TOKENS", 64)
     calls = []
