@@ -28,7 +28,8 @@ a pass, gate_up's epilogue silu(gate) * up into fp16 as the direct CTA form's, d
 sums — that form's bits, and so the grouped split programs'. Why: at 64 tokens the one-warp
 Triton expert programs dequantize each block for ~4 rows at 2.2 weights a warp instruction and
 issue on 62-64% of cycles (v21 ncu, H200: gate_up 90.3 µs, down 55.5 a layer at 50-58% of
-DRAM's peak); here a warp dequantizes 16 weights per ~13 instructions for all the slot's rows.
+DRAM's peak); here a lane dequantizes 16 weights in 14 instructions (`dequant`) for all the
+slot's rows.
 A CTA runs `tiles` column tiles in turn on its staged rows (EXPERT_TILES). grid (N / (16 W
 tiles), S, slots); the same cluster; shared memory: the staged rows, the partial tile (apart:
 the rows stay for the next tile) and 16 MT ints."""
