@@ -27,7 +27,7 @@ The MoE experts at 9-64 tokens (`experts_grouped`, an experiment, off:
 a pass, gate_up's epilogue silu(gate) * up into fp16 as the direct CTA form's, down's the
 sums — that form's bits, and so the grouped split programs'. Why: at 64 tokens the one-warp
 Triton expert programs dequantize each block for ~4 rows at 2.2 weights a warp instruction and
-issue on 62-64% of cycles (v21 ncu, H200: gate_up 90.3 µs, down 55.5 a layer at 50-58% of
+issue on 62-64% of cycles (v21 ncu, H200: gate_up 90.3 µs, down 55.5 a layer at 49-58% of
 DRAM's peak); here a lane dequantizes 16 weights in 14 instructions (`dequant`) for all the
 slot's rows.
 A CTA runs `tiles` column tiles in turn on its staged rows (EXPERT_TILES). grid (N / (16 W

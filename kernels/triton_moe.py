@@ -101,10 +101,10 @@ FUSED_STATIC = True
 # None or 0: off (bench/ab_modes.py `ecudaN`)
 CUDA_MAX_TOKENS: int | None = 1
 # grouped q4 experts of more than DIRECT_MAX_TOKENS tokens, up to this many (at most 64), on
-# kernels/cuda_xs.py where it loads (sm_90): a CTA a slot's column tile and K split, the slot's
+# kernels/cuda_xs.py where it loads (sm_90): a CTA a slot's K split and column tiles in turn, the slot's
 # rows staged once as fp16 and each weight block dequantized once for all of them, the splits
 # one cluster merged in split order — the direct CTA form's bits. Why: at 64 tokens the
-# one-warp seq programs issue on 62-64% of cycles at 50-58% of DRAM's peak (v21 ncu, H200:
+# one-warp seq programs issue on 62-64% of cycles at 49-58% of DRAM's peak (v21 ncu, H200:
 # gate_up 90.3 µs, down 55.5 a layer, ~7 ms of a 10 ms step; their bytes ~88 µs at copy).
 # None: off (bench/ab_modes.py `xeN`; unmeasured)
 CUDA_XS_MAX_TOKENS: int | None = None
