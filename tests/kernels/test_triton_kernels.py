@@ -26,6 +26,34 @@ from kernels import (moe_layout, q4_layout, triton_attention, triton_f16, triton
                      triton_moe, triton_moe_route, triton_norm, triton_q4)
 from kernels.linear import Linear, quantize_q4, quantize_q8  # noqa: E402
 
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fixed_order_dot():
+    """The interpreter's tl.dot in one summation order, k ascending, whatever the operands'
+    shapes: the MMA's order within a k step is the hardware's and does not follow the tile,
+    and the tests here compare tiles of other shapes bit for bit. Triton's own dot is numpy's
+    matmul, whose order is OpenBLAS's per CPU and shape (on AMD EPYC with AVX2 the swapped
+    tile's transposed product then sums in another order than the decode tile's)."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if not (a.dtype == b.dtype == tl.float16):
+            return plain(self, a, b, d, input_precision, max_num_imprecise_acc)
+        acc = d.data.dtype
+        # fp16 x fp16 products are exact in fp32; cumsum adds them in k order, one at a time
+        prod = a.data.astype(acc)[..., :, :, None] * b.data.astype(acc)[..., None, :, :]
+        total = np.cumsum(prod, axis=-2, dtype=acc)[..., -1, :]
+        return interpreter.TensorHandle(total + d.data, d.dtype.scalar)
+
+    plain = interpreter.InterpreterBuilder.create_dot
+    interpreter.InterpreterBuilder.create_dot = dot
+    yield
+    interpreter.InterpreterBuilder.create_dot = plain
+
+
 FORMATS = {"f32": Linear.dense, "q4": quantize_q4, "q8": quantize_q8}
 TOL = {"f32": 1e-5, "q4": 5e-3, "q8": 5e-3}  # ‖out − ref‖ / ‖ref‖: exact fp32 dot vs fp16 operands
 
