@@ -1,7 +1,8 @@
 """kernels/cuda_xs.py without a GPU: the modules (the linear's, the experts') compile for sm_90
 without spills, their split CTAs a thread block cluster that merges through distributed shared
 memory, the A fragments by ldmatrix from the staged rows; the host side declines what it cannot
-take. Their values are checked on a GPU (tests/kernels/test_gpu.py)."""
+take; their source run on the CPU (tests/kernels/cuda_emu.py) writes every output, each
+within fp16 rounding of float64. Their bits are judged on a GPU (tests/kernels/test_gpu.py)."""
 
 from __future__ import annotations
 
@@ -114,3 +115,102 @@ def test_the_experts_plan_and_decline():
                                 torch.zeros(1, 16, dtype=torch.int32), 2, stacked,
                                 torch.zeros(32, 128, dtype=torch.float16), torch.zeros(32, 128),
                                 rows=48)
+
+
+# ---- the kernels run on the CPU (tests/kernels/cuda_emu.py): what they write, and where ----
+@pytest.fixture(scope="module")
+def emu():
+    from tests.kernels import cuda_emu
+    if not cuda_emu.available():
+        pytest.skip("needs a C++20 compiler (g++)")
+    from kernels import cuda_q4, cuda_route
+    return cuda_emu.build(cuda_q4.SOURCE + cuda_route.CLUSTER_DEVICE + cuda_xs.XS
+                          + cuda_xs.XS_ENTRIES + cuda_xs.XE)
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any(), f"{int(out.isnan().sum())} outputs left unwritten"
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("n,k,programs", [(256, 512, None), (384, 256, 4), (256, 1024, 8), (128, 512, 8)])
+def test_the_x_staged_linear_on_the_emulator_matches_float64(emu, monkeypatch, n, k, programs):
+    """q4_xs's source run on the CPU: every row and column written, x @ W.T + residual within
+    fp16 rounding of x (the emulator's MMA sums in float64: not the GPU's bits) at 9-64 rows,
+    1-8 splits, 2-8 warps and rings of 2 and 4 — what the GPU test then judges bit for bit."""
+    from kernels import q4_layout, triton_linear
+    from kernels.linear import quantize_q4
+    from tests.kernels import cuda_emu
+    if programs:
+        monkeypatch.setattr(q4_layout, "MAX_PROGRAMS", programs)
+    g = torch.Generator().manual_seed(n + k)
+    base = quantize_q4(torch.randn(n, k, generator=g))
+    lin = triton_linear.to_gpu_format(base)
+    assert lin.split == {None: 8, 4: 1}.get(programs, 2 if n == 256 else 4)  # each split count
+    x = torch.randn(64, k, generator=g)
+    res = torch.randn(64, n, generator=g)
+    ref = base.reference(x)
+    cases = [(9, None, None, True), (40, None, None, False), (64, None, None, True),
+             (17, 2, 2, True), (33, 4, 4, False)]
+    with cuda_emu.emulated(emu, monkeypatch):
+        for rows, warps, depth, with_res in cases:
+            if depth and (k // lin.split // 32) % depth:  # the ring must divide a split
+                depth = 2
+            out = cuda_xs.linear(lin, x[:rows], torch.full((rows, n), float("nan")),
+                                 residual=res[:rows] if with_res else None, warps=warps, depth=depth)
+            want = ref[:rows] + (res[:rows].double() if with_res else 0)
+            assert _rel(out, want) < 1e-3, (rows, warps, depth, lin.split)
+
+
+def _align(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """triton_moe_route.align's meta / arows on the CPU (its layout; the kernel is Triton's)."""
+    t, k = ids.shape
+    slots = min(experts, t * k)
+    meta = torch.zeros(1 + 2 * slots, dtype=torch.int32)
+    arows = torch.full((slots, t), -7, dtype=torch.int32)  # past a slot's count: never read
+    used = sorted(set(ids.flatten().tolist()))
+    meta[0] = len(used)
+    for r, e in enumerate(used):
+        a = (ids.flatten() == e).nonzero().flatten()
+        meta[1 + 2 * r], meta[2 + 2 * r] = e, len(a)
+        arows[r, :len(a)] = a.int()
+    return meta, arows
+
+
+@pytest.mark.parametrize("programs", [None, 8])
+def test_the_x_staged_experts_on_the_emulator_match_float64(emu, monkeypatch, programs):
+    """q4_xs_experts' source run on the CPU: each assignment's silu(gate) * up and its down
+    row within fp16 rounding of float64 (not the GPU's bits), every one written, at 9-40
+    tokens, 16 / 32 rows a pass, rings of 2-8, 1-2 column tiles a CTA, gate_up in 2 or 4 K
+    splits; a slot of 40 rows runs 3 passes."""
+    from kernels import moe_layout
+    from kernels.linear import quantize_q4
+    from tests.kernels import cuda_emu
+    g = torch.Generator().manual_seed(3)
+    e, h, i, k = 6, 256, 128, 2
+    experts = tuple((quantize_q4(torch.randn(2 * i, h, generator=g)),
+                     quantize_q4(torch.randn(h, i, generator=g))) for _ in range(e))
+    st = moe_layout.StackedExperts.stack(experts, programs=programs)
+    assert st.gu_split in (2, 4) and st.down_split in cuda_xs.SPLITS
+    gu = [p[0].dequantize().double() for p in experts]
+    dn = [p[1].dequantize().double() for p in experts]
+    skew = torch.tensor([[0, 3]] * 40, dtype=torch.int32)  # two slots of 40 rows
+    cases = [(9, 16, 8, 1, None), (20, 32, 4, 2, None), (40, 16, 2, 2, skew)]
+    with cuda_emu.emulated(emu, monkeypatch):
+        for t, rows, depth, tiles, ids in cases:
+            if ids is None:
+                ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).int()
+            x = torch.randn(t, h, generator=g)
+            meta, arows = _align(ids, e)
+            inter = torch.full((t * k, i), float("nan")).half()
+            y = torch.full((t * k, h), float("nan"))
+            cuda_xs.experts_grouped(x, meta, arows, k, st, inter, y, rows, depth, tiles)
+            want_i = torch.empty(t * k, i, dtype=torch.float64)
+            want_y = torch.empty(t * k, h, dtype=torch.float64)
+            for a in range(t * k):
+                ex = int(ids[a // k, a % k])
+                gate_up = gu[ex] @ x[a // k].half().double()  # x as the kernel stages it
+                want_i[a] = gate_up[:i] * torch.sigmoid(gate_up[:i]) * gate_up[i:]
+                want_y[a] = dn[ex] @ inter[a].double()  # from the kernel's own fp16 rows
+            assert _rel(inter, want_i) < 2e-3, (programs, t, rows, depth, tiles)
+            assert _rel(y, want_y) < 1e-3, (programs, t, rows, depth, tiles)
