@@ -62,20 +62,6 @@ def apply(mode: str) -> None:
     if re.search(r'csw[0-9]+', mode):  # q4 linears from N rows on cuda_q4's swapped form
         from kernels import triton_linear
         triton_linear.CUDA_SWAP_MIN_ROWS = int(re.search(r'csw([0-9]+)', mode).group(1))
-    if re.search(r'xs[0-9]+', mode):  # q4 calls of 9-N rows on kernels/cuda_xs.py (x staged)
-        from kernels import cuda_xs, triton_linear
-        triton_linear.CUDA_XS_MAX_ROWS = int(re.search(r'xs([0-9]+)', mode).group(1))
-        if re.search(r'xsw[0-9]+', mode):  # ... at this many warps a CTA (8)
-            cuda_xs.WARPS = int(re.search(r'xsw([0-9]+)', mode).group(1))
-    if re.search(r'xe[0-9]+', mode):  # grouped q4 experts of up to N tokens on cuda_xs (x staged)
-        triton_moe.CUDA_XS_MAX_TOKENS = int(re.search(r'xe([0-9]+)', mode).group(1))
-        from kernels import cuda_xs
-        if re.search(r'xerows[0-9]+', mode):  # ... rows a pass (16)
-            cuda_xs.EXPERT_ROWS = int(re.search(r'xerows([0-9]+)', mode).group(1))
-        if re.search(r'xedepth[0-9]+', mode):  # ... ring depth (8)
-            cuda_xs.EXPERT_DEPTH = int(re.search(r'xedepth([0-9]+)', mode).group(1))
-        if re.search(r'xetiles[0-9]+', mode):  # ... column tiles a CTA (2)
-            cuda_xs.EXPERT_TILES = int(re.search(r'xetiles([0-9]+)', mode).group(1))
     if re.search(r'cswmt[0-9]+', mode):  # ... its m16 feature tiles a warp
         from kernels import cuda_q4
         cuda_q4.SWAP_MT = int(re.search(r'cswmt([0-9]+)', mode).group(1))

@@ -20,7 +20,7 @@ import torch
 
 from bench.gpu_profile import profile_calls
 from bench.kernel_bench import copy_bandwidth, rand_q4, routed_tokens, timed
-from kernels import cuda_q4, cuda_xs, q4_layout, triton_f16, triton_linear, triton_moe, triton_q4
+from kernels import cuda_q4, q4_layout, triton_f16, triton_linear, triton_moe, triton_q4
 from kernels.moe_layout import StackedExperts
 from kernels.q4_layout import Q4Tile
 
@@ -45,12 +45,6 @@ CUDA_VARIANTS = ((16, 8), (32, 4), (16, cuda_q4.STREAM))
 CTA_VARIANTS = ((16, 8), (8, 8), (16, 4), (32, 4))
 # (m16 feature tiles a warp, warps a CTA) of the CUDA swapped form timed with --cuda from 9 rows
 SWAP_VARIANTS = ((1, 4), (2, 4), (1, 8), (2, 8))
-# (warps a CTA, ring depth or None: the plan's) of the x-staged form (kernels/cuda_xs.py)
-# timed with --cuda at 9-64 rows
-XS_VARIANTS = ((8, None), (4, None), (8, 4), (4, 4))
-# (rows a pass, ring depth, column tiles a CTA) of the x-staged experts (kernels/cuda_xs.py
-# `experts_grouped`) timed with --cuda at 9-64 tokens
-XE_VARIANTS = ((16, 8, 1), (16, 8, 2), (16, 8, 4), (16, 4, 2), (32, 4, 2), (16, 2, 2), (16, 2, 4))
 
 
 def _roomy(lin: q4_layout.Q4Linear) -> q4_layout.Q4Linear:
@@ -100,10 +94,6 @@ def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles, weights=("qkv", "
                 if m > 8:  # the weights as the MMA's A operand, x through shared memory
                     modes += [(f"cuda swap mt{mt} w{w}", dict(cu=2, mt=mt, warps=w))
                               for mt, w in SWAP_VARIANTS if n % (16 * mt * w) == 0]
-                if cuda_xs.fits(lin, x, torch.empty(m, n, device=DEV)):  # x staged once a CTA
-                    modes += [(f"cuda xs w{w} {f'd{d}' if d else 'plan'}", dict(cu=3, warps=w, depth=d))
-                              for w, d in XS_VARIANTS if n % (16 * w) == 0
-                              and (d is None or (k // lin.split // 32) % d == 0)]
                 if m <= 8:  # what its loads alone / without the split merge take (wrong values)
                     modes += [(f"cuda probe {p.decode()}", dict(cu=1, cols=16, depth=cuda_q4.STREAM, probe=p))
                               for p in cuda_q4.PROBES]
@@ -115,7 +105,7 @@ def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles, weights=("qkv", "
                 out = torch.empty(m, n, device=DEV)
                 f16, plan, cu = kw.pop("f16", 0), kw.pop("plan", 0), kw.pop("cu", 0)
                 run = (triton_f16.linear if f16 else triton_linear.linear if plan
-                       else cuda_xs.linear if cu == 3 else cuda_q4.swap_linear if cu == 2
+                       else cuda_q4.swap_linear if cu == 2
                        else cuda_q4.linear if cu else triton_q4.linear)
                 if f16:
                     try:
@@ -132,8 +122,7 @@ def linear_modes(copy_gbs: float, ms_list, tiles, dense_tiles, weights=("qkv", "
     return rows
 
 
-def moe_modes(copy_gbs: float, ts, tiles, maxnregs, dense_tiles, profile=False,
-              cuda=False) -> list[dict]:
+def moe_modes(copy_gbs: float, ts, tiles, maxnregs, dense_tiles, profile=False) -> list[dict]:
     g = torch.Generator(DEV).manual_seed(1)
     router = triton_linear.to_gpu_format(rand_q4(128, 2048, g))
     pairs = tuple((rand_q4(1536, 2048, g), rand_q4(2048, 768, g)) for _ in range(128))
@@ -171,15 +160,8 @@ def moe_modes(copy_gbs: float, ts, tiles, maxnregs, dense_tiles, profile=False,
                 "dense": True, "DENSE_DOWN": (down3, 3)}))
             modes.append(("dense gu flat2, down flat3", None, None, {
                 "dense": True, "DENSE_GATE_UP": (gu3, 2), "DENSE_DOWN": (down3, 3)}))
-        if cuda and cuda_xs.experts_fit(stacked, x, t):  # the slot's rows staged once a CTA
-            modes += [(f"cuda xe r{r} d{d} t{n}", None, None,
-                       {"CUDA_XS_MAX_TOKENS": t, "xe": (r, d, n)}) for r, d, n in XE_VARIANTS]
         modes.append(("plan", None, None, {}))
         for label, tile, seq, knobs in modes:
-            xe = knobs.pop("xe", None)
-            xe_default = (cuda_xs.EXPERT_ROWS, cuda_xs.EXPERT_DEPTH, cuda_xs.EXPERT_TILES)
-            if xe:
-                cuda_xs.EXPERT_ROWS, cuda_xs.EXPERT_DEPTH, cuda_xs.EXPERT_TILES = xe
             inter = torch.empty(t * 8, 768, dtype=torch.float16, device=DEV)
             y = torch.empty(t * 8, 2048, device=DEV)
             kw = {k: knobs.pop(k) for k in ("dense", "flat") if k in knobs}
@@ -194,7 +176,6 @@ def moe_modes(copy_gbs: float, ts, tiles, maxnregs, dense_tiles, profile=False,
                     print(f"    {us:>9.1f} µs {calls:>4.1f}x  {name[:80]}")
             for k, v in default.items():
                 setattr(triton_moe, k, v)
-            cuda_xs.EXPERT_ROWS, cuda_xs.EXPERT_DEPTH, cuda_xs.EXPERT_TILES = xe_default
             if ref is None:
                 ref = y.clone()
             rows.append(_row("experts", "E128k8", t, label, ms, nbytes, flops, copy_gbs,
@@ -219,7 +200,7 @@ def main() -> None:
     ap.add_argument("--dense-from", type=int, default=256, help="rows from which dense modes run")
     ap.add_argument("--weights", default="qkv,o,router", help=f"linear weights, of {','.join(SHAPES)}")
     ap.add_argument("--cuda", action="store_true",
-                    help="also the CUDA C++ forms (kernels/cuda_q4.py, kernels/cuda_xs.py)")
+                    help="also the CUDA C++ forms (kernels/cuda_q4.py)")
     ap.add_argument("--cold", type=int, default=0,
                     help="linear: time over this many copies of each weight (none in L2)")
     ap.add_argument("--max-programs", type=int, default=None,
@@ -241,8 +222,7 @@ def main() -> None:
     ts = [int(v) for v in args.ts.split(",") if v]
     if ts:  # --ts "": no MoE rows
         rows += moe_modes(copy_gbs, ts, moe_tiles,
-                          [int(v) or None for v in args.maxnreg.split(",")], dense, args.kernels,
-                          args.cuda)
+                          [int(v) or None for v in args.maxnreg.split(",")], dense, args.kernels)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_gbs": copy_gbs, "rows": rows}, f, indent=1)

@@ -33,7 +33,7 @@ from kernels.q4_layout import Q4Linear
 
 CLUSTER_DEVICE = r"""
 // thread block clusters (sm_90): this CTA's rank, a barrier phase's halves, and a store into
-// the same shared variable of the cluster's CTA 0 (also kernels/cuda_xs.py's)
+// the same shared variable of the cluster's CTA 0
 __device__ __forceinline__ unsigned cluster_rank() {
   unsigned r;
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));

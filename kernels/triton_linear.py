@@ -49,11 +49,6 @@ CUDA_MIN_N: int | None = 1
 # weights as the MMA's A operand, each dequantized once for all rows), for weights of
 # SWAP_MAX_N outputs or more: an experiment (bench/ab_modes.py `cswN`), off by default
 CUDA_SWAP_MIN_ROWS: int | None = None
-# q4 calls above CUDA_MAX_ROWS rows up to this many (at most 64) on kernels/cuda_xs.py where
-# it takes them (x staged once a CTA as fp16, each block dequantized once for all the rows,
-# the K splits of a column tile one cluster merging in split order: the decode tile's bits):
-# an experiment (bench/ab_modes.py `xsN`), off by default
-CUDA_XS_MAX_ROWS: int | None = None
 
 
 @dataclass(frozen=True)
@@ -95,9 +90,7 @@ def prepare_linear(lin: Linear, device: str) -> Linear:
     out = to_gpu_format(lin.to(device))
     if isinstance(out, Q4Linear) and _cuda_rows(out) and out.qs.is_cuda:
         from kernels import cuda_q4
-        if cuda_q4.available(out.qs.device.index or 0) and CUDA_XS_MAX_ROWS:
-            from kernels import cuda_xs
-            cuda_xs.available(out.qs.device.index or 0)
+        cuda_q4.available(out.qs.device.index or 0)
     return out
 
 
@@ -263,11 +256,6 @@ def linear(lin: Linear, x: torch.Tensor, out: torch.Tensor | None = None,
         if tile is None and cuda_routed(lin, x, out, residual):
             from kernels import cuda_q4
             return cuda_q4.linear(lin, x, out, residual)
-        if tile is None and CUDA_XS_MAX_ROWS and n <= CUDA_XS_MAX_ROWS and x.is_cuda \
-                and _cuda_rows(lin):
-            from kernels import cuda_xs
-            if cuda_xs.fits(lin, x, out, residual):
-                return cuda_xs.linear(lin, x, out, residual)
         if (tile is None and CUDA_SWAP_MIN_ROWS and n >= CUDA_SWAP_MIN_ROWS and x.is_cuda
                 and lin.out_features >= q4_layout.SWAP_MAX_N):
             from kernels import cuda_q4

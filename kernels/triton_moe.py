@@ -100,14 +100,6 @@ FUSED_STATIC = True
 # → 829.7 / 1,077.1 with 8; the MoE layer at 4 tokens 55.7 → 69.0 µs), so 1 (GPU_NOTES v18).
 # None or 0: off (bench/ab_modes.py `ecudaN`)
 CUDA_MAX_TOKENS: int | None = 1
-# grouped q4 experts of more than DIRECT_MAX_TOKENS tokens, up to this many (at most 64), on
-# kernels/cuda_xs.py where it loads (sm_90): a CTA a slot's K split and column tiles in turn, the slot's
-# rows staged once as fp16 and each weight block dequantized once for all of them, the splits
-# one cluster merged in split order — the direct CTA form's bits. Why: at 64 tokens the
-# one-warp seq programs issue on 62-64% of cycles at 49-58% of DRAM's peak (v21 ncu, H200:
-# gate_up 90.3 µs, down 55.5 a layer, ~7 ms of a 10 ms step; their bytes ~88 µs at copy).
-# None: off (bench/ab_modes.py `xeN`; unmeasured)
-CUDA_XS_MAX_TOKENS: int | None = None
 # direct launches (up to DIRECT_MAX_TOKENS tokens) with PDL: before waiting on gate_up, each
 # down program prefetches into L2 the first this-many 32-blocks of its expert's weight range
 # (the expert read from the top-k ids, final by then: written two kernels back). A prefetch
@@ -625,15 +617,6 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
         from kernels import cuda_q4
         if cuda_q4.experts_fit(experts, x):  # the direct split programs' bits
             cuda_q4.experts_direct(x, ids, experts, inter, y)
-            return
-    if (CUDA_XS_MAX_TOKENS and t <= CUDA_XS_MAX_TOKENS and tile is None and seq is None
-            and dense is None and not (t <= DIRECT_MAX_TOKENS and t * top_k <= experts.num_experts)
-            and ids.dtype == torch.int32 and ids.is_contiguous() and inter.data_ptr() % 16 == 0
-            and inter.shape == (t * top_k, experts.inter) and y.shape == (t * top_k, experts.hidden)):
-        from kernels import cuda_xs
-        if cuda_xs.experts_fit(experts, x, t):  # the grouped split programs' bits
-            meta, arows = triton_moe_route.align(ids, experts.num_experts)
-            cuda_xs.experts_grouped(x, meta, arows, top_k, experts, inter, y)
             return
     if dense is None:
         dense = (experts.fmt == "q4" and x.device.type == "cuda" and DENSE_MIN_TOKENS is not None

@@ -11,7 +11,7 @@ import pytest
 
 def _knobs(mode: str, expr: str) -> list[str]:
     code = (f"from bench.ab_modes import apply\napply({mode!r})\n"
-            "from kernels import cuda_q4, cuda_xs, moe_layout, q4_layout, triton_attention, "
+            "from kernels import cuda_q4, moe_layout, q4_layout, triton_attention, "
             "triton_linear, triton_moe, triton_moe_route, triton_norm, triton_pdl\n"
             "from replica import memory\n"
             f"print({expr})")
@@ -137,22 +137,8 @@ def test_the_v22_experiment_modes_turn_on_their_knob_alone(mode, want):
                         "triton_norm.CUDA_NORM, triton_norm.FOLD_NORM") == want.split()
 
 
-@pytest.mark.parametrize("mode,want", [("pdl", "False False None 8"),
-                                       ("pdl_clusterroute_normfold", "True True None 8"),
-                                       ("pdl_xs64", "False False 64 8"),
-                                       ("pdl_xs64_xsw4", "False False 64 4")])
+@pytest.mark.parametrize("mode,want", [("pdl", "False False"),
+                                       ("pdl_clusterroute_normfold", "True True")])
 def test_the_v23_experiment_modes_set_their_knobs(mode, want):
-    """clusterroute_normfold: the CUDA route with both norms folded (the MoE's into the route);
-    xsN: q4 calls of 9-N rows on the x-staged form, xswN its warps a CTA."""
-    assert _knobs(mode, "triton_moe_route.CUDA_ROUTE, triton_norm.FOLD_NORM, "
-                        "triton_linear.CUDA_XS_MAX_ROWS, cuda_xs.WARPS") == want.split()
-
-
-@pytest.mark.parametrize("mode,want", [("pdl", "None None 16 8 2"),
-                                       ("pdl_xe64", "64 None 16 8 2"),
-                                       ("pdl_xs64_xe64_xerows32_xedepth4_xetiles4", "64 64 32 4 4")])
-def test_the_x_staged_experts_mode_sets_its_knobs_alone(mode, want):
-    """xeN: grouped q4 experts of up to N tokens on the x-staged form (xsN, the linear's, is
-    another knob), xerowsN / xedepthN / xetilesN its rows a pass, ring depth, tiles a CTA."""
-    assert _knobs(mode, "triton_moe.CUDA_XS_MAX_TOKENS, triton_linear.CUDA_XS_MAX_ROWS, "
-                        "cuda_xs.EXPERT_ROWS, cuda_xs.EXPERT_DEPTH, cuda_xs.EXPERT_TILES") == want.split()
+    """clusterroute_normfold: the CUDA route with both norms folded (the MoE's into the route)."""
+    assert _knobs(mode, "triton_moe_route.CUDA_ROUTE, triton_norm.FOLD_NORM") == want.split()

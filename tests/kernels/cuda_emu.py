@@ -11,8 +11,8 @@ hardware's own on the GPU, and fp16 arithmetic rounds once as the PTX defines. S
 compare against float64 references within a tolerance; tests/kernels/test_gpu.py judges the
 bits on the device.
 
-    lib = build(cuda_q4.SOURCE + cuda_xs.EXPERT_SOURCE)         # ~1 minute, cached
-    with emulated(lib): cuda_xs.experts_grouped(...)             # CPU tensors
+    lib = build(cuda_q4.SOURCE + cuda_q4.CORE)                  # ~15 s, cached by its text
+    with emulated(lib, monkeypatch): cuda_q4.linear(...)         # CPU tensors
 
 `emulated` puts the emulator in place of cuda_q4's module loader and launcher, so the
 kernels' own host code (plans, grids, shared memory sizes, arguments) runs unchanged.
@@ -232,59 +232,86 @@ LAUNCHER = r"""
 typedef void (*Fn)();
 static void call(Fn fn, int np, void** p, int ni, const int* iv);
 
+// one host thread per CUDA thread of a cluster, kept for the whole launch: the clusters run one
+// after another, each on fresh CTAs (shared memory poisoned) and fresh barriers
 extern "C" int emu_launch(Fn fn, unsigned gx, unsigned gy, unsigned gz, unsigned threads,
                           unsigned smem, unsigned cx, unsigned cy, unsigned cz, int np, void** p,
                           int ni, const int* iv, char* err, int err_len) {
   emu::g_block_dim = {threads, 1, 1};
   emu::g_grid_dim = {gx, gy, gz};
-  const unsigned per = cx * cy * cz;
-  std::string failure;
-  std::mutex fm;
+  const unsigned per = cx * cy * cz, n = per * threads;
+  std::vector<dim3> origins;
   for (unsigned bz = 0; bz < gz; bz += cz)
     for (unsigned by = 0; by < gy; by += cy)
-      for (unsigned bx = 0; bx < gx; bx += cx) {
-        emu::Cluster cl;
-        emu::Barrier cbar(per * threads);
-        cl.bar = &cbar;
-        std::vector<emu::Cta> ctas(per);
-        std::vector<std::unique_ptr<emu::Barrier>> bars;
-        std::vector<std::unique_ptr<emu::Warp>> warps;
-        for (unsigned r = 0; r < per; ++r) {
-          ctas[r].arena.assign(smem + 16, 0xCD);  // poison: shared memory starts undefined
-          bars.emplace_back(new emu::Barrier(threads));
-          ctas[r].bar = bars.back().get();
-          ctas[r].rank = r;
-          for (unsigned w = 0; w < threads / 32; ++w) {
-            warps.emplace_back(new emu::Warp());
-            ctas[r].warps.push_back(warps.back().get());
-          }
-          cl.ctas.push_back(&ctas[r]);
-        }
-        std::vector<std::thread> ts;
-        for (unsigned r = 0; r < per; ++r)
-          for (unsigned t = 0; t < threads; ++t)
-            ts.emplace_back([&, r, t] {
-              emu::t_thread = {t, 0, 0};
-              emu::t_block = {bx + r % cx, by + (r / cx) % cy, bz + r / (cx * cy)};
-              emu::t_cta = &ctas[r];
-              emu::t_cluster = &cl;
-              try {
-                call(fn, np, p, ni, iv);
-              } catch (const std::exception& e) {
-                std::lock_guard<std::mutex> g(fm);
-                failure = e.what();
-              }
-              // a thread that has left no longer holds up its CTA's, warp's or cluster's barriers
-              emu::t_cta->warps[t / 32]->bar.arrive_and_drop();
-              emu::t_cta->bar->arrive_and_drop();
-              cl.bar->arrive_and_drop();
-            });
-        for (auto& th : ts) th.join();
-        if (!failure.empty()) {
-          std::snprintf(err, err_len, "%s", failure.c_str());
-          return 1;
-        }
+      for (unsigned bx = 0; bx < gx; bx += cx) origins.push_back({bx, by, bz});
+  struct State {
+    emu::Cluster cl;
+    std::unique_ptr<emu::Barrier> cbar;
+    std::vector<emu::Cta> ctas;
+    std::vector<std::unique_ptr<emu::Barrier>> bars;
+    std::vector<std::unique_ptr<emu::Warp>> warps;
+  };
+  auto fresh = [&](State& st) {
+    st.cbar.reset(new emu::Barrier(n));
+    st.cl.bar = st.cbar.get();
+    st.ctas = std::vector<emu::Cta>(per);
+    st.bars.clear(); st.warps.clear(); st.cl.ctas.clear();
+    for (unsigned r = 0; r < per; ++r) {
+      st.ctas[r].arena.assign(smem + 16, 0xCD);  // poison: shared memory starts undefined
+      st.bars.emplace_back(new emu::Barrier(threads));
+      st.ctas[r].bar = st.bars.back().get();
+      st.ctas[r].rank = r;
+      for (unsigned w = 0; w < threads / 32; ++w) {
+        st.warps.emplace_back(new emu::Warp());
+        st.ctas[r].warps.push_back(st.warps.back().get());
       }
+      st.cl.ctas.push_back(&st.ctas[r]);
+    }
+  };
+  State st;
+  std::string failure;
+  std::mutex fm;
+  size_t current = 0;
+  // every thread and the caller: the cluster's state is set before and read after these
+  std::barrier<> go(n + 1), done(n + 1);
+  std::vector<std::thread> ts;
+  for (unsigned r = 0; r < per; ++r)
+    for (unsigned t = 0; t < threads; ++t)
+      ts.emplace_back([&, r, t] {
+        for (;;) {
+          go.arrive_and_wait();
+          if (current == origins.size()) return;
+          const dim3 o = origins[current];
+          emu::t_thread = {t, 0, 0};
+          emu::t_block = {o.x + r % cx, o.y + (r / cx) % cy, o.z + r / (cx * cy)};
+          emu::t_cta = &st.ctas[r];
+          emu::t_cluster = &st.cl;
+          try {
+            call(fn, np, p, ni, iv);
+          } catch (const std::exception& e) {
+            std::lock_guard<std::mutex> g(fm);
+            failure = e.what();
+          }
+          // a thread that has left no longer holds up its CTA's, warp's or cluster's barriers
+          emu::t_cta->warps[t / 32]->bar.arrive_and_drop();
+          emu::t_cta->bar->arrive_and_drop();
+          st.cl.bar->arrive_and_drop();
+          done.arrive_and_wait();
+        }
+      });
+  for (current = 0; current < origins.size(); ++current) {
+    fresh(st);
+    go.arrive_and_wait();
+    done.arrive_and_wait();
+    if (!failure.empty()) break;
+  }
+  current = origins.size();
+  go.arrive_and_wait();
+  for (auto& th : ts) th.join();
+  if (!failure.empty()) {
+    std::snprintf(err, err_len, "%s", failure.c_str());
+    return 1;
+  }
   return 0;
 }
 """
@@ -450,15 +477,12 @@ def launch(lib: ctypes.CDLL, name: bytes | str, grid, threads: int, smem: int, c
         raise RuntimeError(f"cuda_emu: {name!r}: {err.value.decode()}")
 
 
-def _cluster_of(name: str) -> tuple[int, int, int]:
-    """The entry's __cluster_dims__: (1, S, 1) for the x-staged entries (`_s{S}_`), else 1."""
-    m = re.match(r"q4_x[se]\w*_s(\d+)_d\d+$", name)
-    return (1, int(m.group(1)), 1) if m else (1, 1, 1)
-
-
 @contextlib.contextmanager
-def emulated(lib: ctypes.CDLL, monkeypatch):
-    """cuda_q4's module loader and launcher replaced by the emulator (over `lib`)."""
+def emulated(lib: ctypes.CDLL, monkeypatch, clusters: dict | None = None):
+    """cuda_q4's module loader and launcher replaced by the emulator (over `lib`); clusters:
+    {entry name: its __cluster_dims__} for the entries launched as clusters."""
+    import torch
+
     from kernels import cuda_q4
 
     class Fns(dict):
@@ -466,9 +490,15 @@ def emulated(lib: ctypes.CDLL, monkeypatch):
             return key.decode() if isinstance(key, bytes) else key
 
     def launch_(cuda, fn, grid, threads, smem, tensors, ints):
-        launch(lib, fn, grid, threads, smem, _cluster_of(fn), tensors, ints)
+        launch(lib, fn, grid, threads, smem, (clusters or {}).get(fn, (1, 1, 1)), tensors, ints)
 
     monkeypatch.setattr(cuda_q4, "module", lambda device, part, entries, names: (None, Fns()))
     monkeypatch.setattr(cuda_q4, "_functions", lambda device: (None, Fns()))
+    def check(x, out, residual):  # cuda_q4._check without its CUDA-only rule
+        for t in (x, out) + ((residual,) if residual is not None else ()):
+            if t.dtype != torch.float32 or t.stride(1) != 1 or t.stride(0) % 2:
+                raise ValueError("cuda_emu: x, out and residual float32 rows, even strides")
+
     monkeypatch.setattr(cuda_q4, "_launch", launch_)
+    monkeypatch.setattr(cuda_q4, "_check", check)
     yield

@@ -27,7 +27,6 @@ from kernels import (moe_layout, q4_layout, triton_attention, triton_f16, triton
 from kernels.linear import Linear, quantize_q4, quantize_q8  # noqa: E402
 
 
-
 @pytest.fixture(autouse=True, scope="module")
 def fixed_order_dot():
     """The interpreter's tl.dot in one summation order, k ascending, whatever the operands'
@@ -707,40 +706,3 @@ def test_blocks_per_sm_counts_the_register_file_by_quarters():
     assert triton_moe.blocks_per_sm(16, 0, 32) == 2  # 2,048 threads
     assert triton_moe.blocks_per_sm(255, 0, 32) == 0  # cannot launch: STATIC never taken
 
-
-def test_grouped_calls_of_9_to_n_tokens_go_to_the_x_staged_experts(monkeypatch):
-    """Under triton_moe.CUDA_XS_MAX_TOKENS a grouped call (not a direct one) of up to that many
-    tokens goes to kernels/cuda_xs.py where it fits, with align's grouping of its ids; direct
-    calls, calls past the bound and calls it declines keep the Triton programs. (The kernel's
-    own bits are the GPU test's: tests/kernels/test_gpu.py.)"""
-    from kernels import cuda_xs
-    router, experts, stacked = _moe_setup("q4", gen(31), e=8, hidden=64, inter=32)
-    calls = []
-
-    def grouped(x, meta, arows, top_k, st, inter, y):  # records, then the Triton programs' values
-        calls.append((x.shape[0], meta.clone(), arows.clone()))
-        monkeypatch.setattr(triton_moe, "CUDA_XS_MAX_TOKENS", None)
-        triton_moe.experts_forward(x, ids_of[x.shape[0]], st, inter, y)
-        monkeypatch.setattr(triton_moe, "CUDA_XS_MAX_TOKENS", 16)
-
-    ids_of = {}
-    monkeypatch.setattr(cuda_xs, "experts_fit", lambda st, x, t: st is stacked and 8 < t <= 64)
-    monkeypatch.setattr(cuda_xs, "experts_grouped", grouped)
-    monkeypatch.setattr(triton_moe, "CUDA_XS_MAX_TOKENS", 16)
-    g = gen(32)
-    for t, taken in ((1, False), (3, False), (9, True), (16, True), (17, False)):
-        x = torch.randn(t, 64, generator=g)
-        ids = torch.full((t, 2), -5, dtype=torch.int32)
-        triton_moe_route.route(x, router, 2, True, ids, nan(t, 2))
-        ids_of[t] = ids
-        inter, y = nan(2 * t, 32).to(torch.float16), nan(2 * t, 64)
-        triton_moe.experts_forward(x, ids, stacked, inter, y)
-        assert torch.isfinite(y).all(), t
-        assert (len(calls) > 0 and calls[-1][0] == t) == taken, t
-        if taken:
-            meta, arows = triton_moe_route.align(ids, 8)  # (unused slots: not written)
-            used = int(meta[0])
-            assert torch.equal(calls[-1][1][:1 + 2 * used], meta[:1 + 2 * used])
-            for r in range(used):
-                count = int(meta[2 + 2 * r])
-                assert torch.equal(calls[-1][2][r, :count], arows[r, :count])

@@ -1,0 +1,92 @@
+"""cuda_q4's kernels run on the CPU (tests/kernels/cuda_emu.py): every output written, each
+within fp16 rounding of float64, and the forms the GPU tests prove bit-equal give equal bits on
+the emulator too (the same fragments into the same MMAs in the same order; the emulator's MMA
+is not the GPU's, but a form that fed it otherwise would differ). What a new kernel's source
+must pass before a device call judges its bits (tests/kernels/test_gpu.py, test_cuda_q4.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cuda_q4  # (no Triton here: test_triton_kernels.py interprets it)
+from tests.kernels import cuda_emu
+
+
+@pytest.fixture(scope="module")
+def emu():
+    if not cuda_emu.available():
+        pytest.skip("needs a C++20 compiler (g++)")
+    return cuda_emu.build(cuda_q4.SOURCE + cuda_q4.CORE + cuda_q4.EXTRA)
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any(), f"{int(out.isnan().sum())} outputs left unwritten"
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+def test_the_emulator_rewrites_each_ptx_instruction_and_refuses_others():
+    code = cuda_emu.translate('__device__ void f(unsigned a, unsigned& b) {\n'
+                              '  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(b) : "r"(a), "r"(a), "r"(a));\n'
+                              '  asm volatile("griddepcontrol.wait;" ::: "memory");\n}')
+    assert "b = emu::prmt(a, a, a);" in code and "asm" not in code
+    with pytest.raises(ValueError, match="no emulation"):
+        cuda_emu.translate('asm volatile("bar.sync 0;");')
+
+
+@pytest.mark.parametrize("n,k,programs", [(256, 512, None), (384, 256, 4), (256, 1024, 8), (128, 512, 8)])
+def test_the_cta_form_and_the_split_programs_on_the_emulator(emu, monkeypatch, n, k, programs):
+    """q4_cta (a CTA a column tile's splits, merged in shared memory) and q4_split (a program
+    a split, merged by the last one's ticket) at 1-20 rows, 1-8 splits, with and without the
+    residual: within fp16 rounding of x @ W.T in float64, every output written, the same bits
+    as each other (the GPU tests: both the decode tile's)."""
+    from kernels import q4_layout, triton_linear
+    from kernels.linear import quantize_q4
+    if programs:
+        monkeypatch.setattr(q4_layout, "MAX_PROGRAMS", programs)
+    g = torch.Generator().manual_seed(n + k)
+    base = quantize_q4(torch.randn(n, k, generator=g))
+    lin = triton_linear.to_gpu_format(base)
+    assert lin.split == {None: 8, 4: 1}.get(programs, 2 if n == 256 else 4)  # each split count
+    x = torch.randn(20, k, generator=g)
+    res = torch.randn(20, n, generator=g)
+    ref = base.reference(x)
+    with cuda_emu.emulated(emu, monkeypatch):
+        for rows, with_res in ((1, True), (8, False), (20, True)):
+            r = res[:rows] if with_res else None
+            cta = cuda_q4.linear(lin, x[:rows], torch.full((rows, n), float("nan")), r, cta=True)
+            split = cuda_q4.linear(lin, x[:rows], torch.full((rows, n), float("nan")), r, cta=False)
+            want = ref[:rows] + (res[:rows].double() if with_res else 0)
+            assert _rel(cta, want) < 1e-3, (rows, lin.split)
+            assert torch.equal(cta, split), (rows, lin.split)
+
+
+def test_the_direct_experts_on_the_emulator(emu, monkeypatch):
+    """q4_expert_cta (a CTA an assignment's column tile, its K splits merged in shared memory)
+    at 1-3 tokens of top-2 over 6 experts, gate_up in 2 and 4 splits: silu(gate) * up and the
+    down rows within fp16 rounding of float64, every one written."""
+    from kernels import moe_layout
+    from kernels.linear import quantize_q4
+    g = torch.Generator().manual_seed(3)
+    e, h, i, k = 6, 256, 128, 2
+    experts = tuple((quantize_q4(torch.randn(2 * i, h, generator=g)),
+                     quantize_q4(torch.randn(h, i, generator=g))) for _ in range(e))
+    gu = [p[0].dequantize().double() for p in experts]
+    dn = [p[1].dequantize().double() for p in experts]
+    with cuda_emu.emulated(emu, monkeypatch):
+        for programs, t in ((None, 1), (8, 3)):
+            st = moe_layout.StackedExperts.stack(experts, programs=programs)
+            x = torch.randn(t, h, generator=g)
+            ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).int()
+            inter = torch.full((t * k, i), float("nan")).half()
+            y = torch.full((t * k, h), float("nan"))
+            cuda_q4.experts_direct(x, ids.contiguous(), st, inter, y)
+            want_i = torch.empty(t * k, i, dtype=torch.float64)
+            want_y = torch.empty(t * k, h, dtype=torch.float64)
+            for a in range(t * k):
+                ex = int(ids[a // k, a % k])
+                gate_up = gu[ex] @ x[a // k].half().double()  # x as the MMA takes it
+                want_i[a] = gate_up[:i] * torch.sigmoid(gate_up[:i]) * gate_up[i:]
+                want_y[a] = dn[ex] @ inter[a].double()  # from the kernel's own fp16 rows
+            assert _rel(inter, want_i) < 2e-3, (programs, t, st.gu_split)
+            assert _rel(y, want_y) < 1e-3, (programs, t, st.down_split)
