@@ -4,7 +4,8 @@ The source (kernels/cuda_q4.py's SOURCE and the parts built on it) is compiled b
 C++ compiler after each inline-PTX statement is rewritten into a call of a C++ emulation of
 that instruction (`PTX` below lists the ones our kernels use); every CUDA thread of a thread
 block cluster runs as a host thread, `__syncthreads`, the cluster barrier and the warp's
-collectives (ldmatrix, mma.sync, shfl) as barriers. The result checks what a launch writes
+collectives (ldmatrix, mma.sync, shfl) as barriers; static `__shared__` variables live in the
+CTA's shared memory after the dynamic part. The result checks what a launch writes
 where, which rows and columns it reads, and its synchronisation's structure — not its bits
 or its speed: mma.sync sums its 16 products in float64 here and in an order of the
 hardware's own on the GPU, and fp16 arithmetic rounds once as the PTX defines. So tests
@@ -80,6 +81,9 @@ inline __half2 __hfma2(__half2 a, __half2 b, __half2 c) {
   return {f2h((double)h2f(a.x) * h2f(b.x) + h2f(c.x)), f2h((double)h2f(a.y) * h2f(b.y) + h2f(c.y))};
 }
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline int __float_as_int(float f) { int u; std::memcpy(&u, &f, 4); return u; }
+inline float __fmul_rn(float a, float b) { return a * b; }  // (no contraction at -O1 without -ffp-contract)
 template <typename T> inline T __ldg(const T* p) { return *p; }
 template <typename T> inline T __ldcg(const T* p) { return *p; }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
@@ -96,10 +100,13 @@ struct Warp {
   uint64_t slot[32][16];
 };
 struct Cta {
-  std::vector<unsigned char> arena;
+  std::vector<unsigned char> arena;  // the dynamic shared memory, then the static variables
   Barrier* bar;
   std::vector<Warp*> warps;
   unsigned rank;
+  std::mutex m;
+  std::vector<std::pair<int, size_t>> statics;  // a static __shared__ variable's offset
+  size_t top;
 };
 struct Cluster {
   std::vector<Cta*> ctas;
@@ -112,6 +119,19 @@ inline thread_local std::optional<Barrier::arrival_token> t_token;
 inline dim3 g_block_dim, g_grid_dim;
 
 inline unsigned char* smem() { return t_cta->arena.data(); }
+constexpr size_t STATIC_SHARED = 64 * 1024;
+// a static __shared__ variable (declaration `id`): one per CTA, the first thread to ask places it
+template <typename T> inline T& shared_var(int id) {
+  Cta* c = t_cta;
+  std::lock_guard<std::mutex> g(c->m);
+  for (auto& [k, off] : c->statics)
+    if (k == id) return *reinterpret_cast<T*>(c->arena.data() + off);
+  const size_t off = (c->top + 15) & ~size_t(15);
+  if (off + sizeof(T) > c->arena.size()) throw std::runtime_error("static shared memory overflow");
+  c->top = off + sizeof(T);
+  c->statics.emplace_back(id, off);
+  return *reinterpret_cast<T*>(c->arena.data() + off);
+}
 inline Warp& warp() { return *t_cta->warps[t_thread.x / 32]; }
 inline unsigned lane() { return t_thread.x % 32; }
 inline unsigned shared_addr(const void* p) {
@@ -205,6 +225,7 @@ template <typename T> inline T shfl(T v, int src) {
   w.bar.arrive_and_wait();
   return r;
 }
+template <typename T> inline T shfl_xor(T v, int m) { return shfl(v, (int)(lane() ^ (unsigned)m)); }
 inline unsigned mapa(unsigned a, unsigned rank) { return ((rank + 1) << 24) | (a & 0xFFFFFFu); }
 inline void ld_cluster_v4(float& a, float& b, float& c, float& d, unsigned addr) {
   float v[4];
@@ -225,6 +246,7 @@ inline void cp_async(unsigned dst, const void* src, int n) { std::memcpy(shared_
 #define __syncthreads() (emu::t_cta->bar->arrive_and_wait())
 #define __syncwarp(...) emu::syncwarp()
 #define __shfl_sync(mask, v, src) emu::shfl(v, src)
+#define __shfl_xor_sync(mask, v, m, ...) emu::shfl_xor(v, m)
 inline unsigned long __cvta_generic_to_shared(const void* p) { return emu::shared_addr(p); }
 """
 
@@ -257,7 +279,8 @@ extern "C" int emu_launch(Fn fn, unsigned gx, unsigned gy, unsigned gz, unsigned
     st.ctas = std::vector<emu::Cta>(per);
     st.bars.clear(); st.warps.clear(); st.cl.ctas.clear();
     for (unsigned r = 0; r < per; ++r) {
-      st.ctas[r].arena.assign(smem + 16, 0xCD);  // poison: shared memory starts undefined
+      st.ctas[r].arena.assign(smem + 16 + emu::STATIC_SHARED, 0xCD);  // poison: undefined at start
+      st.ctas[r].top = smem + 16;
       st.bars.emplace_back(new emu::Barrier(threads));
       st.ctas[r].bar = st.bars.back().get();
       st.ctas[r].rank = r;
@@ -370,7 +393,7 @@ def _operand(tok: str, exprs: list[str]):
     m = re.fullmatch(r"%(\d+)", tok)
     if m:
         return exprs[int(m.group(1))]
-    return tok if tok.startswith("0x") or tok.isdigit() else tok  # an immediate (or %%reg)
+    return tok  # an immediate (or a special register, %%name)
 
 
 def _rewrite(stmt: str) -> str:
@@ -401,6 +424,16 @@ def translate(source: str) -> str:
     source = source.replace("#include <cuda_fp16.h>", "")
     source = re.sub(r"extern __shared__ __align__\(16\) unsigned char (\w+)\[\];",
                     r"unsigned char* \1 = emu::smem();", source)
+    ids = iter(range(1 << 30))
+
+    def statics(m: re.Match) -> str:  # `__shared__ T a[N], b[M];` → a reference a CTA each
+        out = []
+        for decl in m.group(2).split(","):
+            name, dims = re.fullmatch(r"\s*(\w+)((?:\[[^\]]*\])*)\s*", decl).groups()
+            out.append(f"auto& {name} = emu::shared_var<{m.group(1)}{dims}>({next(ids)});")
+        return " ".join(out)
+
+    source = re.sub(r"__shared__\s+(\w+)\s+([^;]+);", statics, source)
     out, i = [], 0
     for m in re.finditer(r"\basm\s*(volatile\s*)?\(", source):
         if m.start() < i:
@@ -454,7 +487,8 @@ def build(source: str) -> ctypes.CDLL:
         src = d / f"emu_{key}.cpp"
         src.write_text(code)
         tmp = d / f"emu_{key}.{os.getpid()}.so"
-        r = subprocess.run(["g++", "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", "-w",
+        r = subprocess.run(["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared",
+                            "-pthread", "-w",
                             "-o", str(tmp), str(src)], capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(f"cuda_emu: the host build failed:\n{r.stderr[-4000:]}")

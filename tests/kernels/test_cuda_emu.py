@@ -1,4 +1,4 @@
-"""cuda_q4's kernels run on the CPU (tests/kernels/cuda_emu.py): every output written, each
+"""cuda_q4's and cuda_route's kernels run on the CPU (tests/kernels/cuda_emu.py): every output written, each
 within fp16 rounding of float64, and the forms the GPU tests prove bit-equal give equal bits on
 the emulator too (the same fragments into the same MMAs in the same order; the emulator's MMA
 is not the GPU's, but a form that fed it otherwise would differ). What a new kernel's source
@@ -17,7 +17,8 @@ from tests.kernels import cuda_emu
 def emu():
     if not cuda_emu.available():
         pytest.skip("needs a C++20 compiler (g++)")
-    return cuda_emu.build(cuda_q4.SOURCE + cuda_q4.CORE + cuda_q4.EXTRA)
+    from kernels import cuda_route
+    return cuda_emu.build(cuda_q4.SOURCE + cuda_q4.CORE + cuda_q4.EXTRA + cuda_route.SOURCE)
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -90,3 +91,28 @@ def test_the_direct_experts_on_the_emulator(emu, monkeypatch):
                 want_y[a] = dn[ex] @ inter[a].double()  # from the kernel's own fp16 rows
             assert _rel(inter, want_i) < 2e-3, (programs, t, st.gu_split)
             assert _rel(y, want_y) < 1e-3, (programs, t, st.down_split)
+
+
+def test_the_cluster_route_on_the_emulator(emu, monkeypatch):
+    """cuda_route's one-token route (the router's 8 CTAs a thread block cluster, the logits
+    gathered into CTA 0's shared memory, the top-k ranked there): the logits the CTA form's
+    bits on the emulator and within fp16 rounding of float64, the ids torch's top-k of them,
+    the weights their normalized softmax."""
+    from kernels import cuda_route, q4_layout, triton_linear
+    from kernels.linear import quantize_q4
+    monkeypatch.setattr(q4_layout, "MAX_PROGRAMS", 8)
+    g = torch.Generator().manual_seed(5)
+    base = quantize_q4(torch.randn(128, 512, generator=g))
+    lin = triton_linear.to_gpu_format(base)
+    assert lin.split == 4
+    x = torch.randn(1, 512, generator=g)
+    logits, wts = torch.full((1, 128), float("nan")), torch.full((1, 8), float("nan"))
+    ids = torch.full((1, 8), -5, dtype=torch.int32)
+    with cuda_emu.emulated(emu, monkeypatch, clusters={"q4_route8_2_d2": (cuda_route.CLUSTER, 1, 1)}):
+        cuda_route.route(x, lin, logits, 8, True, ids, wts)
+        cta = cuda_q4.linear(lin, x, torch.full((1, 128), float("nan")), cta=True)
+    assert torch.equal(logits, cta)
+    assert _rel(logits, base.reference(x)) < 1e-3
+    p, want = torch.topk(torch.softmax(logits.double(), -1), 8)
+    assert torch.equal(ids.long(), want)
+    assert torch.allclose(wts.double(), p / p.sum(), atol=1e-6)
