@@ -1,8 +1,9 @@
-"""cuda_q4's and cuda_route's kernels run on the CPU (tests/kernels/cuda_emu.py): every output written, each
-within fp16 rounding of float64, and the forms the GPU tests prove bit-equal give equal bits on
-the emulator too (the same fragments into the same MMAs in the same order; the emulator's MMA
-is not the GPU's, but a form that fed it otherwise would differ). What a new kernel's source
-must pass before a device call judges its bits (tests/kernels/test_gpu.py, test_cuda_q4.py)."""
+"""cuda_q4's and cuda_route's kernels run on the CPU (tests/kernels/cuda_emu.py): every output
+written, each within fp16 rounding of float64, and the forms the GPU tests prove bit-equal give
+equal bits on the emulator too (the same fragments into the same MMAs in the same order; the
+emulator's MMA is not the GPU's, but a form that fed it otherwise would differ). What a new
+kernel's source must pass before a device call judges its bits (tests/kernels/test_gpu.py,
+test_cuda_q4.py)."""
 
 from __future__ import annotations
 
