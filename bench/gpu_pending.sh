@@ -6,7 +6,7 @@
 # no-thrash row: 5,999 tok/s in v21 with a 108 ms capture step; on the H100 in v22, with the
 # first table-width bucket at 32 blocks, no stall and 99.3% of the 64-token figure — the H200
 # reading is still owed), then o at 8 columns a warp (`fillcols`: 256 CTAs, 2 an SM, where 16
-# columns give 128; v25 on the H100: +1.1% at one stream over three runs each, 64 streams
+# columns give 128; v25 on the H100: +1.0% at one stream over three runs each, 64 streams
 # unchanged) and v21's split counts (`mp256`, the H200 only) beside the defaults, with the
 # engine's bitwise sets under `fillcols` (the judge before it may become a default), then the
 # ablations of v22 at context 128 x 1 / 64 (what a kernel family costs on the one-token chain:
@@ -71,7 +71,7 @@ PY
 echo "fastest beside the defaults: ${WINNERS:-none}"
 
 # BITWISE_MODES="...": the engine's bitwise alone-vs-among sets under each (the judge before a
-# mode becomes a default); fillcols by default (v25: +1.1% at one stream on the H100)
+# mode becomes a default); fillcols by default (v25: +1.0% at one stream on the H100)
 for m in $(echo ${BITWISE_MODES-pdl_fillcols} $WINNERS | tr ' ' '\n' | sort -u); do
   KERNEL_TESTS= BENCH= ENGINE_TESTS=1 ENGINE_TEST_MODE=$m ENGINE_MODES="" T_ENGINE_TESTS=240 \
     bash bench/gpu_ab.sh 2>&1 | grep -v "^NVIDIA\|^torch" | tail -3

@@ -6,17 +6,18 @@ that instruction (`PTX` below lists the ones our kernels use); every CUDA thread
 block cluster runs as a host thread, `__syncthreads`, the cluster barrier and the warp's
 collectives (ldmatrix, mma.sync, shfl) as barriers; static `__shared__` variables live in the
 CTA's shared memory after the dynamic part. The result checks what a launch writes
-where, which rows and columns it reads, and its synchronisation's structure — not its bits
-or its speed: mma.sync sums its 16 products in float64 here and in an order of the
+where, which rows and columns it reads, and its synchronisation's structure — not the GPU's
+bits or speed: mma.sync sums its 16 products in float64 here and in an order of the
 hardware's own on the GPU, and fp16 arithmetic rounds once as the PTX defines. So tests
-compare against float64 references within a tolerance; tests/kernels/test_gpu.py judges the
-bits on the device.
+compare against float64 references within a tolerance, and two kernels against each other
+bit for bit (deterministic here: the same fragments in the same order give the same bits);
+tests/kernels/test_gpu.py judges the GPU's bits on the device.
 
-    lib = build(cuda_q4.SOURCE + cuda_q4.CORE)                  # ~15 s, cached by its text
-    with emulated(lib, monkeypatch): cuda_q4.linear(...)         # CPU tensors
+    lib = build(cuda_q4.SOURCE + cuda_q4.CORE)                  # ~10 s, cached by its text
+    with emulated(lib): cuda_q4.linear(...)                      # CPU tensors
 
-`emulated` puts the emulator in place of cuda_q4's module loader and launcher, so the
-kernels' own host code (plans, grids, shared memory sizes, arguments) runs unchanged.
+`emulated` puts the emulator in place of cuda_q4's module loader and launcher for the block,
+so the kernels' own host code (plans, grids, shared memory sizes, arguments) runs unchanged.
 """
 
 from __future__ import annotations
@@ -411,8 +412,6 @@ def _rewrite(stmt: str) -> str:
         return f"{exprs[0]} = emu::silu_mul({exprs[1]}, {exprs[2]})"
     inst = text.strip().rstrip(";").strip()
     mnemonic, _, rest = inst.partition(" ")
-    if mnemonic.startswith("cp.async.wait_group"):
-        mnemonic = "cp.async.wait_group"
     if mnemonic not in PTX:
         raise ValueError(f"cuda_emu: no emulation for PTX {inst!r}")
     ops = [_operand(t, exprs) for t in _split_top(rest, ",")] if rest.strip() else []
@@ -512,9 +511,11 @@ def launch(lib: ctypes.CDLL, name: bytes | str, grid, threads: int, smem: int, c
 
 
 @contextlib.contextmanager
-def emulated(lib: ctypes.CDLL, monkeypatch, clusters: dict | None = None):
-    """cuda_q4's module loader and launcher replaced by the emulator (over `lib`); clusters:
-    {entry name: its __cluster_dims__} for the entries launched as clusters."""
+def emulated(lib: ctypes.CDLL, clusters: dict | None = None):
+    """cuda_q4's module loader, launcher and operand check replaced by the emulator (over
+    `lib`) for the block; clusters: {entry name: its __cluster_dims__} for the entries
+    launched as clusters."""
+    import pytest
     import torch
 
     from kernels import cuda_q4
@@ -526,13 +527,14 @@ def emulated(lib: ctypes.CDLL, monkeypatch, clusters: dict | None = None):
     def launch_(cuda, fn, grid, threads, smem, tensors, ints):
         launch(lib, fn, grid, threads, smem, (clusters or {}).get(fn, (1, 1, 1)), tensors, ints)
 
-    monkeypatch.setattr(cuda_q4, "module", lambda device, part, entries, names: (None, Fns()))
-    monkeypatch.setattr(cuda_q4, "_functions", lambda device: (None, Fns()))
     def check(x, out, residual):  # cuda_q4._check without its CUDA-only rule
         for t in (x, out) + ((residual,) if residual is not None else ()):
             if t.dtype != torch.float32 or t.stride(1) != 1 or t.stride(0) % 2:
                 raise ValueError("cuda_emu: x, out and residual float32 rows, even strides")
 
-    monkeypatch.setattr(cuda_q4, "_launch", launch_)
-    monkeypatch.setattr(cuda_q4, "_check", check)
-    yield
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cuda_q4, "module", lambda device, part, entries, names: (None, Fns()))
+        mp.setattr(cuda_q4, "_functions", lambda device: (None, Fns()))
+        mp.setattr(cuda_q4, "_launch", launch_)
+        mp.setattr(cuda_q4, "_check", check)
+        yield

@@ -53,7 +53,7 @@ def test_the_cta_form_and_the_split_programs_on_the_emulator(emu, monkeypatch, n
     x = torch.randn(20, k, generator=g)
     res = torch.randn(20, n, generator=g)
     ref = base.reference(x)
-    with cuda_emu.emulated(emu, monkeypatch):
+    with cuda_emu.emulated(emu):
         for rows, with_res in ((1, True), (8, False), (20, True)):
             r = res[:rows] if with_res else None
             cta = cuda_q4.linear(lin, x[:rows], torch.full((rows, n), float("nan")), r, cta=True)
@@ -63,10 +63,12 @@ def test_the_cta_form_and_the_split_programs_on_the_emulator(emu, monkeypatch, n
             assert torch.equal(cta, split), (rows, lin.split)
 
 
-def test_the_direct_experts_on_the_emulator(emu, monkeypatch):
+def test_the_direct_experts_on_the_emulator(emu):
     """q4_expert_cta (a CTA an assignment's column tile, its K splits merged in shared memory)
     at 1-3 tokens of top-2 over 6 experts, gate_up in 2 and 4 splits: silu(gate) * up and the
-    down rows within fp16 rounding of float64, every one written."""
+    down rows within fp16 rounding of float64, every one written; cuda_q4's own launcher is
+    back after the block."""
+    real = cuda_q4._launch
     from kernels import moe_layout
     from kernels.linear import quantize_q4
     g = torch.Generator().manual_seed(3)
@@ -75,7 +77,7 @@ def test_the_direct_experts_on_the_emulator(emu, monkeypatch):
                      quantize_q4(torch.randn(h, i, generator=g))) for _ in range(e))
     gu = [p[0].dequantize().double() for p in experts]
     dn = [p[1].dequantize().double() for p in experts]
-    with cuda_emu.emulated(emu, monkeypatch):
+    with cuda_emu.emulated(emu):
         for programs, t in ((None, 1), (8, 3)):
             st = moe_layout.StackedExperts.stack(experts, programs=programs)
             x = torch.randn(t, h, generator=g)
@@ -92,6 +94,7 @@ def test_the_direct_experts_on_the_emulator(emu, monkeypatch):
                 want_y[a] = dn[ex] @ inter[a].double()  # from the kernel's own fp16 rows
             assert _rel(inter, want_i) < 2e-3, (programs, t, st.gu_split)
             assert _rel(y, want_y) < 1e-3, (programs, t, st.down_split)
+    assert cuda_q4._launch is real
 
 
 def test_the_cluster_route_on_the_emulator(emu, monkeypatch):
@@ -109,7 +112,7 @@ def test_the_cluster_route_on_the_emulator(emu, monkeypatch):
     x = torch.randn(1, 512, generator=g)
     logits, wts = torch.full((1, 128), float("nan")), torch.full((1, 8), float("nan"))
     ids = torch.full((1, 8), -5, dtype=torch.int32)
-    with cuda_emu.emulated(emu, monkeypatch, clusters={"q4_route8_2_d2": (cuda_route.CLUSTER, 1, 1)}):
+    with cuda_emu.emulated(emu, clusters={"q4_route8_2_d2": (cuda_route.CLUSTER, 1, 1)}):
         cuda_route.route(x, lin, logits, 8, True, ids, wts)
         cta = cuda_q4.linear(lin, x, torch.full((1, 128), float("nan")), cta=True)
     assert torch.equal(logits, cta)
