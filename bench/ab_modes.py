@@ -26,9 +26,9 @@ def apply(mode: str) -> None:
     if re.search(r'cudacols[0-9]+', mode):  # ... its columns a warp
         from kernels import cuda_q4
         cuda_q4.COLS = int(re.search(r'cudacols([0-9]+)', mode).group(1))
-    if 'fillcols' in mode:  # ... 8 for weights whose 16-column CTAs do not fill the SMs (o)
-        from kernels import cuda_q4
-        cuda_q4.FILL_COLS = True
+    if 'fillcols' in mode:  # ... 8 for weights whose 16-column CTAs do not fill the SMs (o;
+        from kernels import cuda_q4  # the default since v26), nofillcols: 16 (v25's)
+        cuda_q4.FILL_COLS = 'nofillcols' not in mode
     if re.search(r'cudad[0-9]+', mode) or 'cudastream' in mode:
         from kernels import cuda_q4  # ... its form: a ring of N blocks, or streamed
         cuda_q4.DEPTH = (int(re.search(r'cudad([0-9]+)', mode).group(1)) if 'cudad' in mode

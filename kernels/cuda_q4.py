@@ -909,9 +909,11 @@ COLS = 16  # columns a warp by default (the fastest at 1-8 rows of qkv, GPU_NOTE
 DEPTH = 8  # blocks a warp keeps in flight (register ring slots), or STREAM
 # 8 columns a warp for a weight whose 16-column CTAs would not fill the SMs (o at 2,048
 # outputs: 128 CTAs of 8 splits, 1 an SM at 150 registers; at 8 columns 256 CTAs at ~115, 2
-# an SM, twice the warps in flight). Columns a warp change no bit. False: COLS everywhere
-# (unmeasured; bench/ab_modes.py `fillcols`; v22: the router alone at 8 columns, `rcols8`, +0.4%)
-FILL_COLS = False
+# an SM, twice the warps in flight). Columns a warp change no bit. The default since v26
+# (H100, 128 x 1: +1.0% over three runs in v25, +0.9-2.0% over three in v26; 64 streams
+# unchanged; the engine's bitwise sets pass); False: COLS everywhere (bench/ab_modes.py
+# `nofillcols`)
+FILL_COLS = True
 # the CTA form (q4_cta: a CTA's warps run a column tile's splits, merged in shared memory)
 # instead of split programs with a ticket merge in global memory, where the weight is split
 CTA = True
