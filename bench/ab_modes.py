@@ -80,13 +80,6 @@ def apply(mode: str) -> None:
         triton_moe.PREFETCH_BLOCKS = None
     elif re.search(r'eprefetch[0-9]+', mode):  # ... or this many blocks of it
         triton_moe.PREFETCH_BLOCKS = int(re.search(r'eprefetch([0-9]+)', mode).group(1))
-    if 'cudanorm' in mode or 'normfold' in mode:  # RMSNorm on the CUDA kernel of one fixed
-        from kernels import triton_norm  # order (other bits); normfold: at one row the
-        triton_norm.CUDA_NORM = True  # attention's norm folded into qkv too
-        triton_norm.FOLD_NORM = 'normfold' in mode
-    if 'clusterroute' in mode:  # the CUDA top-k everywhere; router + top-k one launch at 1 token
-        from kernels import triton_moe_route
-        triton_moe_route.CUDA_ROUTE = True
     if 'skip' in mode:  # ablations: timing only, the tokens are wrong (see `_skip`)
         _skip(mode)
     if 'fusedmoe' in mode:  # direct experts and combine in one launch (triton_moe.FUSED)

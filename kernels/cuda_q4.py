@@ -119,12 +119,6 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
-// ring_acc's wait (after its first weight loads): pdl_wait, or a caller's step that waits and
-// then prepares x (kernels/cuda_norm.py: the folded norm stages x_n there)
-struct PdlWait {
-  __device__ __forceinline__ void operator()() const { pdl_wait(); }
-};
-
 __device__ __forceinline__ void mma(float d[4], const unsigned a[4], const unsigned b[2]) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
                "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
@@ -161,26 +155,6 @@ __device__ __forceinline__ void load_x(const __half* x0, const __half* x1, bool 
 #pragma unroll
     for (int h = 0; h < 4; ++h)
       p[4 + h] = v1 ? __half22float2(__ldg(reinterpret_cast<const __half2*>(x1 + kb + 2 * c + 8 * h)))
-                    : make_float2(0.f, 0.f);
-  }
-}
-
-// load_x for x staged in shared memory as fp16 (kernels/cuda_norm.py's folded norm): the same
-// pairs, widened exactly (a distinct type, so plain loads rather than __ldg)
-struct SharedHalf {
-  __half v;
-};
-template <bool ROWS16>
-__device__ __forceinline__ void load_x(const SharedHalf* x0, const SharedHalf* x1, bool v0, bool v1,
-                                       int kb, int c, float2 p[ROWS16 ? 8 : 4]) {
-#pragma unroll
-  for (int h = 0; h < 4; ++h)
-    p[h] = v0 ? __half22float2(*reinterpret_cast<const __half2*>(x0 + kb + 2 * c + 8 * h))
-              : make_float2(0.f, 0.f);
-  if (ROWS16) {
-#pragma unroll
-    for (int h = 0; h < 4; ++h)
-      p[4 + h] = v1 ? __half22float2(*reinterpret_cast<const __half2*>(x1 + kb + 2 * c + 8 * h))
                     : make_float2(0.f, 0.f);
   }
 }
@@ -248,12 +222,11 @@ __device__ __forceinline__ void lane_bytes(int c, unsigned& sel, int& word) {
 // acc += the split [k_lo, k_hi) of the 8 NT columns from n0, its blocks through a ring of D
 // register slots: D blocks' loads (weights and x) in flight ahead of the MMAs, which take the
 // blocks in ascending order. nb % D == 0 (the host picks D); the last round only computes.
-template <bool ROWS16, int NT, int D, typename XT, typename Wait = PdlWait>
+template <bool ROWS16, int NT, int D, typename XT>
 __device__ __forceinline__ void ring_acc(float acc[NT][4], const unsigned char* __restrict__ qs,
                                          const unsigned* __restrict__ sm, const XT* x0,
                                          const XT* x1, bool v0, bool v1, int N, int k_lo,
-                                         int k_hi, int n0, int g, int c, int word, unsigned sel,
-                                         Wait wait = Wait()) {
+                                         int k_hi, int n0, int g, int c, int word, unsigned sel) {
   unsigned w0[D][NT], w1[D][NT], wsm[D][NT];
   float2 xp[D][ROWS16 ? 8 : 4];
   const int nb = (k_hi - k_lo) >> 5;
@@ -267,7 +240,7 @@ __device__ __forceinline__ void ring_acc(float acc[NT][4], const unsigned char* 
     load_block<NT>(wb, sb, w0[j], w1[j], wsm[j]);
     wb += wstep; sb += N;
   }
-  wait();
+  pdl_wait();
 #pragma unroll
   for (int j = 0; j < D; ++j) {  // their x: a kernel wrote it
     load_x<ROWS16>(xa, xb, v0, v1, 0, c, xp[j]);
@@ -620,13 +593,12 @@ __device__ __forceinline__ void q4_swap(const float* __restrict__ x, const unsig
 // order 0..S-1 through shared memory (no ticket, no partials in global memory) and the residual
 // added: q4_split's arithmetic in q4_split's order, so its bits. grid (N / (8 NT), 1,
 // cdiv(M, 16)); block 32 S; dynamic shared memory S x 16 x 8 NT floats.
-// (cta_partials: up to the split partials in shared memory, after the CTA's barrier; the
-// route kernel (kernels/cuda_route.py) merges them its own way)
-template <bool ROWS16, int NT, int D, typename XT = float, typename Wait = PdlWait>
-__device__ __forceinline__ float* cta_partials(const XT* __restrict__ x,
+// (cta_partials: up to the split partials in shared memory, after the CTA's barrier)
+template <bool ROWS16, int NT, int D>
+__device__ __forceinline__ float* cta_partials(const float* __restrict__ x,
                                                const unsigned char* __restrict__ qs,
                                                const unsigned* __restrict__ sm, int M, int N,
-                                               int K, int stride_x, int S, Wait wait = Wait()) {
+                                               int K, int stride_x, int S) {
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int C = 8 * NT;
   float* part = reinterpret_cast<float*>(smem);  // [S][16][C]
@@ -638,12 +610,12 @@ __device__ __forceinline__ float* cta_partials(const XT* __restrict__ x,
   lane_bytes(c, sel, word);
   const int r0 = m0 + g, r1 = m0 + g + 8;
   const bool v0 = r0 < M, v1 = r1 < M;
-  const XT* x0 = x + (long)(v0 ? r0 : 0) * stride_x;
-  const XT* x1 = x + (long)(v1 ? r1 : 0) * stride_x;
+  const float* x0 = x + (long)(v0 ? r0 : 0) * stride_x;
+  const float* x1 = x + (long)(v1 ? r1 : 0) * stride_x;
   float acc[NT][4];
 #pragma unroll
   for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-  ring_acc<ROWS16, NT, D>(acc, qs, sm, x0, x1, v0, v1, N, k_lo, k_hi, n0, g, c, word, sel, wait);
+  ring_acc<ROWS16, NT, D>(acc, qs, sm, x0, x1, v0, v1, N, k_lo, k_hi, n0, g, c, word, sel);
   float* mine = part + sp * 16 * C;
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
@@ -826,14 +798,12 @@ def _nvrtc() -> ctypes.CDLL:
     return ctypes.CDLL(lib)
 
 
-def ptx(arch: str = "compute_90", cache: bool = True, part: str = "core",
-        entries: str | None = None) -> bytes:
-    """SOURCE with part's kernels (CORE or EXTRA; `entries`: another module's, e.g.
-    kernels/cuda_route.py's) compiled by NVRTC for `arch` (no GPU needed; 2.8 s for the core,
-    7.5 s for the rest on a 2-core CPU), kept in CACHE_DIR under a hash of the source, the arch,
-    the options and the NVRTC library, so later processes load it at once (cache False:
-    compile anyway, keep nothing)."""
-    source = SOURCE + (entries if entries is not None else {"core": CORE, "extra": EXTRA}[part])
+def ptx(arch: str = "compute_90", cache: bool = True, part: str = "core") -> bytes:
+    """SOURCE with part's kernels (CORE or EXTRA) compiled by NVRTC for `arch` (no GPU needed;
+    2.8 s for the core, 7.5 s for the rest on a 2-core CPU), kept in CACHE_DIR under a hash of
+    the source, the arch, the options and the NVRTC library, so later processes load it at
+    once (cache False: compile anyway, keep nothing)."""
+    source = SOURCE + {"core": CORE, "extra": EXTRA}[part]
     key = hashlib.sha256("\0".join((source, arch, " ".join(_OPTIONS), _find("libnvrtc.so*[0-9]")
                                      or "", _find("cuda_fp16.h") or "")).encode()).hexdigest()
     cache = cache and CACHE_DIR is not None
@@ -937,12 +907,10 @@ _BIG_SMEM: set = set()  # kernels given more than 48 KB of dynamic shared memory
 _TICKETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Q4Linear → {key: tickets}
 
 
-def _load(cuda: ctypes.CDLL, device: int, part: str, names: tuple,
-          entries: str | None = None) -> dict:
-    """{entry: function} of part's module (or of `entries`, as `ptx`), loaded into torch's
-    context on `device`."""
+def _load(cuda: ctypes.CDLL, device: int, part: str, names: tuple) -> dict:
+    """{entry: function} of part's module, loaded into torch's context on `device`."""
     major, minor = torch.cuda.get_device_capability(device)
-    code = ptx(f"compute_{major}{minor}", part=part, entries=entries)
+    code = ptx(f"compute_{major}{minor}", part=part)
     mod = ctypes.c_void_p()
     with torch.cuda.device(device):  # the device's primary context current on this thread
         torch.zeros(1, device=f"cuda:{device}")
@@ -981,19 +949,6 @@ def _functions(device: int) -> tuple[ctypes.CDLL, dict]:
     now, the extra one on its first use)."""
     cuda = ctypes.CDLL("libcuda.so.1")
     return cuda, _Functions(cuda, device)
-
-
-def module(device: int, part: str, entries: str, names: tuple) -> tuple:
-    """(libcuda, {entry: function}) of another kernel family's module built on SOURCE
-    (kernels/cuda_route.py, kernels/cuda_norm.py: `entries` its kernels, `part` its cache
-    name), compiled and loaded once a device."""
-    return _module(device, part, entries, names)
-
-
-@functools.cache
-def _module(device: int, part: str, entries: str, names: tuple) -> tuple:
-    cuda, _ = _functions(device)
-    return cuda, _load(cuda, device, part, names, entries=entries)
 
 
 _UNAVAILABLE: dict = {}  # device → why the kernels could not be built or loaded there

@@ -41,14 +41,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def norm_linear(lin, h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """h [n, in] f32 → [n, out]: RMSNorm(h) @ W.T — on CUDA at one row the norm folded into
-    the GEMM where triton_norm.FOLD_NORM allows (the same bits), else the two ops."""
-    if _triton(h):
-        from kernels import triton_norm
-
-        out = triton_norm.folded_linear(lin, h, weight, eps)
-        if out is not None:
-            return out
+    """h [n, in] f32 → [n, out]: RMSNorm(h) @ W.T (rms_norm, then linear)."""
     return linear(lin, rms_norm(h, weight, eps))
 
 
@@ -123,13 +116,8 @@ def qkv_rope_store(qkv, positions, cos, sin, q_norm, k_norm, eps, slots, k_cache
 
 def norm_moe(h: torch.Tensor, weight: torch.Tensor, eps: float, router, experts, top_k: int,
              norm_topk_prob: bool) -> torch.Tensor:
-    """CUDA only: h [T, hidden] f32 → h + `moe` of RMSNorm(h) — at one token the norm folded
-    into the route's launch where triton_norm.FOLD_NORM allows (the same bits), else the two."""
-    from kernels import triton_moe
-
-    out = triton_moe.folded_moe(h, weight, eps, router, experts, top_k, norm_topk_prob)
-    if out is not None:
-        return out
+    """CUDA only: h [T, hidden] f32 → h + `moe` of RMSNorm(h) (rms_norm, then moe
+    with h as the residual)."""
     return moe(rms_norm(h, weight, eps), router, experts, top_k, norm_topk_prob, residual=h)
 
 

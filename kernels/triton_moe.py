@@ -549,36 +549,6 @@ def moe(x: torch.Tensor, router: Linear, experts: StackedExperts, top_k: int,
     ids = torch.empty(t, top_k, dtype=torch.int32, device=dev)  # [T, k]
     wts = torch.empty(t, top_k, dtype=torch.float32, device=dev)  # [T, k]
     triton_moe_route.route(x, router, top_k, norm_topk_prob, ids, wts)
-    return _mix(x, ids, wts, experts, residual)
-
-
-def folded_moe(h: torch.Tensor, weight: torch.Tensor, eps: float, router: Linear,
-               experts: StackedExperts, top_k: int, norm_topk_prob: bool) -> torch.Tensor | None:
-    """h + moe(rms_norm(h, weight)) at one token with the norm folded into the route's launch
-    (kernels/cuda_route.py `norm_route`: the CUDA norm's and the route's bits) where
-    triton_norm.FOLD_NORM, CUDA_NORM and triton_moe_route.CUDA_ROUTE are on and it fits;
-    None where not (the caller runs the norm, then `moe`)."""
-    from kernels import triton_norm
-    if not (triton_norm.FOLD_NORM and triton_norm.CUDA_NORM and triton_moe_route.CUDA_ROUTE
-            and h.is_cuda and h.dim() == 2 and h.shape[0] == 1):
-        return None
-    from kernels import cuda_route
-    if not cuda_route.norm_route_fits(h, weight, router, top_k):
-        return None
-    dev, e = h.device, router.out_features
-    x = torch.empty_like(h)
-    ids = torch.empty(1, top_k, dtype=torch.int32, device=dev)
-    wts = torch.empty(1, top_k, dtype=torch.float32, device=dev)
-    logits = torch.empty(1, e, dtype=torch.float32, device=dev)
-    cuda_route.norm_route(h, weight, eps, router, x, logits, top_k, norm_topk_prob, ids, wts)
-    return _mix(x, ids, wts, experts, h)
-
-
-def _mix(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, experts: StackedExperts,
-         residual: torch.Tensor | None) -> torch.Tensor:
-    """(residual +) the experts ids [T, k] applied to x, summed with wts in rank order."""
-    t, top_k = ids.shape
-    dev = x.device
     if fused_fits(t, top_k, experts):
         return _fused(x, ids, wts, experts, residual)
     inter = torch.empty(t * top_k, experts.inter, dtype=inter_dtype(experts), device=dev)  # [T*k, I]

@@ -26,12 +26,6 @@ ROUTER_TILE = TileConfig(bm=16, bn=16, bk=256, warps=4, stages=2)  # f32/q8 rout
 # bounds (a 4,096-token prefill step scanned 32K ids 256 at a time: 108 µs a layer on the
 # H200); the lists come out the same whatever the step
 SCAN_MIN, SCAN_MAX = 256, 4096
-# The route on kernels/cuda_route.py (sm_90): its CUDA top-k at every token count and, at one
-# token, the router GEMM and the top-k in one launch (a cluster of the router's 8 column-tile
-# CTAs; the top-k's own kernel is 2.7 µs a layer on the one-token chain, GPU_NOTES v22). The
-# same picks as the Triton top-k, weights from its own sum order (so at every count or none).
-# False: the Triton top-k after the router (unmeasured; bench/ab_modes.py `clusterroute`)
-CUDA_ROUTE = False
 
 
 # ---- device code ------------------------------------------------------------------------------
@@ -154,17 +148,7 @@ def route(x: torch.Tensor, router: Linear, top_k: int, norm_topk_prob: bool,
         return
     if logits is None:
         logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
-    cuda_topk = False
-    if CUDA_ROUTE and x.is_cuda:
-        from kernels import cuda_route
-        cuda_topk = cuda_route.topk_fits(logits, top_k)
-        if cuda_topk and cuda_route.route_fits(x, router, top_k):
-            cuda_route.route(x, router, logits, top_k, norm_topk_prob, ids, wts)
-            return
     linear(router, x, logits, tile=None if router.fmt == "q4" else ROUTER_TILE)
-    if cuda_topk:
-        cuda_route.topk(logits, top_k, norm_topk_prob, ids, wts)
-        return
     bm = 4
     _topk_kernel[(triton.cdiv(t, bm),)](logits, ids, wts, t, e, logits.stride(0), TOPK=top_k,
                                         NORM=norm_topk_prob, BM=bm,

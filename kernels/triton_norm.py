@@ -16,18 +16,6 @@ from kernels.triton_pdl import pdl_wait
 
 SOFTMAX_CHUNK = 4096  # elements per step of the chunked softmax (fixed)
 ROPE_HEADS = 8  # query heads a qkv_rope_store program norms and rotates (a head's bits: its own)
-# RMSNorm on kernels/cuda_norm.py (a warp a row, one fixed order a CUDA kernel can repeat: the
-# step before folding the norm into the next kernel's CTAs) at every row count its widths
-# take; other bits than this file's kernel. False: Triton (unmeasured; bench/ab_modes.py
-# `cudanorm`)
-CUDA_NORM = False
-# with CUDA_NORM, the attention's RMSNorm folded into qkv's CTAs at one row (kernels/cuda_norm.py
-# `q4_ctan`: each warp takes the row's 1 / rms and stages its x_n; one kernel fewer on the
-# one-token chain, ~1 µs a layer by v22's ablation; the same bits) and, with
-# triton_moe_route.CUDA_ROUTE too, the MoE's norm into the route's cluster launch
-# (kernels/cuda_route.py `norm_route`, triton_moe.folded_moe). False: two kernels
-# (unmeasured; bench/ab_modes.py `normfold`, `clusterroute_normfold`)
-FOLD_NORM = False
 
 
 @triton.jit
@@ -47,15 +35,6 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, K, stride_x, stride_y, eps, BLOCK: tl.
     tl.store(y_ptr + row * stride_y + k, x * inv * w, mask=mask)
 
 
-def folded_linear(lin, h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """rms_norm(h, weight) @ W.T as one kernel where FOLD_NORM (with CUDA_NORM) is on and
-    kernels/cuda_norm.py takes h (one row) and lin; None where not (the caller runs both)."""
-    if not (FOLD_NORM and CUDA_NORM and h.is_cuda and h.dim() == 2 and h.shape[0] == 1):
-        return None
-    from kernels import cuda_norm
-    return cuda_norm.norm_linear(lin, h, weight, eps) if cuda_norm.fold_fits(lin, h, weight) else None
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] f32, weight [K] f32 → out [..., K] f32: RMSNorm over the last dim (out is
@@ -71,11 +50,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     if out.shape != x.shape or not out.is_contiguous():
         raise ValueError("rms_norm: out must be contiguous, shaped like x")
-    if rows.shape[0] and CUDA_NORM and x.is_cuda:
-        from kernels import cuda_norm
-        if cuda_norm.fits(rows, weight):
-            cuda_norm.rms_norm(rows, weight, eps, out.view(-1, k))
-            return out
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, k, rows.stride(0), k, eps,
                                            BLOCK=triton.next_power_of_2(k),

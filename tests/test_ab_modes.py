@@ -124,22 +124,10 @@ def test_the_skip_modes_replace_a_kernel_family_by_its_input_or_cached_zeros():
                                   "True", "True"]  # (the model's MoE entry, norm_moe, skipped too)
 
 
-@pytest.mark.parametrize("mode,want", [("pdl", "False True 16 False False"),
-                                       ("pdl_clusterroute", "True True 16 False False"),
-                                       ("pdl_cudarouter", "False True 16 False False"),
-                                       ("pdl_fillcols", "False True 16 False False"),
-                                       ("pdl_nofillcols_cudanorm", "False False 16 True False"),
-                                       ("pdl_normfold", "False True 16 True True")])
+@pytest.mark.parametrize("mode,want", [("pdl", "True 16"),
+                                       ("pdl_fillcols", "True 16"),
+                                       ("pdl_nofillcols", "False 16")])
 def test_the_v22_experiment_modes_turn_on_their_knob_alone(mode, want):
-    """clusterroute: the CUDA route (cudarouter, an older mode, does not); 8 columns only where
-    16 do not fill the SMs (COLS stays) by default, nofillcols: 16 there too; cudanorm: the
-    CUDA RMSNorm; normfold: it, and the attention's norm folded into qkv at one row."""
-    assert _knobs(mode, "triton_moe_route.CUDA_ROUTE, cuda_q4.FILL_COLS, cuda_q4.COLS, "
-                        "triton_norm.CUDA_NORM, triton_norm.FOLD_NORM") == want.split()
-
-
-@pytest.mark.parametrize("mode,want", [("pdl", "False False"),
-                                       ("pdl_clusterroute_normfold", "True True")])
-def test_the_v23_experiment_modes_set_their_knobs(mode, want):
-    """clusterroute_normfold: the CUDA route with both norms folded (the MoE's into the route)."""
-    assert _knobs(mode, "triton_moe_route.CUDA_ROUTE, triton_norm.FOLD_NORM") == want.split()
+    """8 columns only where 16 do not fill the SMs (COLS stays) by default and under fillcols;
+    nofillcols: 16 there too."""
+    assert _knobs(mode, "cuda_q4.FILL_COLS, cuda_q4.COLS") == want.split()

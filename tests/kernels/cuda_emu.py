@@ -1,6 +1,6 @@
 """Our CUDA kernels' source run on the CPU, for their indexing (no GPU here or in CI).
 
-The source (kernels/cuda_q4.py's SOURCE and the parts built on it) is compiled by the host's
+The source (kernels/cuda_q4.py's SOURCE, or a test's own kernel) is compiled by the host's
 C++ compiler after each inline-PTX statement is rewritten into a call of a C++ emulation of
 that instruction (`PTX` below lists the ones our kernels use); every CUDA thread of a thread
 block cluster runs as a host thread, `__syncthreads`, the cluster barrier and the warp's
@@ -533,7 +533,6 @@ def emulated(lib: ctypes.CDLL, clusters: dict | None = None):
                 raise ValueError("cuda_emu: x, out and residual float32 rows, even strides")
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cuda_q4, "module", lambda device, part, entries, names: (None, Fns()))
         mp.setattr(cuda_q4, "_functions", lambda device: (None, Fns()))
         mp.setattr(cuda_q4, "_launch", launch_)
         mp.setattr(cuda_q4, "_check", check)

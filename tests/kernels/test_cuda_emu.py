@@ -1,9 +1,9 @@
-"""cuda_q4's and cuda_route's kernels run on the CPU (tests/kernels/cuda_emu.py): every output
-written, each within fp16 rounding of float64, and the forms the GPU tests prove bit-equal give
-equal bits on the emulator too (the same fragments into the same MMAs in the same order; the
-emulator's MMA is not the GPU's, but a form that fed it otherwise would differ). What a new
-kernel's source must pass before a device call judges its bits (tests/kernels/test_gpu.py,
-test_cuda_q4.py)."""
+"""cuda_q4's kernels run on the CPU (tests/kernels/cuda_emu.py): every output written, each
+within fp16 rounding of float64, and the forms the GPU tests prove bit-equal give equal bits on
+the emulator too (the same fragments into the same MMAs in the same order; the emulator's MMA
+is not the GPU's, but a form that fed it otherwise would differ). What a new kernel's source
+must pass before a device call judges its bits (tests/kernels/test_gpu.py, test_cuda_q4.py).
+The emulator's thread block clusters are checked on a small kernel written here."""
 
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ from tests.kernels import cuda_emu
 def emu():
     if not cuda_emu.available():
         pytest.skip("needs a C++20 compiler (g++)")
-    from kernels import cuda_route
-    return cuda_emu.build(cuda_q4.SOURCE + cuda_q4.CORE + cuda_q4.EXTRA + cuda_route.SOURCE)
+    return cuda_emu.build(cuda_q4.SOURCE + cuda_q4.CORE + cuda_q4.EXTRA)
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -97,26 +96,62 @@ def test_the_direct_experts_on_the_emulator(emu):
     assert cuda_q4._launch is real
 
 
-def test_the_cluster_route_on_the_emulator(emu, monkeypatch):
-    """cuda_route's one-token route (the router's 8 CTAs a thread block cluster, the logits
-    gathered into CTA 0's shared memory, the top-k ranked there): the logits the CTA form's
-    bits on the emulator and within fp16 rounding of float64, the ids torch's top-k of them,
-    the weights their normalized softmax."""
-    from kernels import cuda_route, q4_layout, triton_linear
-    from kernels.linear import quantize_q4
-    monkeypatch.setattr(q4_layout, "MAX_PROGRAMS", 8)
-    g = torch.Generator().manual_seed(5)
-    base = quantize_q4(torch.randn(128, 512, generator=g))
-    lin = triton_linear.to_gpu_format(base)
-    assert lin.split == 4
-    x = torch.randn(1, 512, generator=g)
-    logits, wts = torch.full((1, 128), float("nan")), torch.full((1, 8), float("nan"))
-    ids = torch.full((1, 8), -5, dtype=torch.int32)
-    with cuda_emu.emulated(emu, clusters={"q4_route8_2_d2": (cuda_route.CLUSTER, 1, 1)}):
-        cuda_route.route(x, lin, logits, 8, True, ids, wts)
-        cta = cuda_q4.linear(lin, x, torch.full((1, 128), float("nan")), cta=True)
-    assert torch.equal(logits, cta)
-    assert _rel(logits, base.reference(x)) < 1e-3
-    p, want = torch.topk(torch.softmax(logits.double(), -1), 8)
-    assert torch.equal(ids.long(), want)
-    assert torch.allclose(wts.double(), p / p.sum(), atol=1e-6)
+# a thread block cluster's primitives as the emulator rewrites them: the CTA's rank, the
+# cluster barrier, mapa, and loads / stores into another CTA's shared memory
+CLUSTER_KERNEL = r"""
+__device__ __forceinline__ unsigned rank_in_cluster() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// p's shared address in the cluster's CTA `rank`
+__device__ __forceinline__ unsigned in_rank(const void* p, unsigned rank) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  unsigned r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+  return r;
+}
+
+// block 32, clusters of n CTAs: thread t of CTA b writes 100 b + t into its own mine[t] and
+// into the next rank's inbox[t]; after the barrier, out[b] = the next rank's mine (read as
+// float4s by threads 0-7), then its own inbox (the previous rank's values)
+extern "C" __global__ void neighbours(float* out, int n) {
+  __shared__ float4 mine[8];
+  __shared__ float inbox[32];
+  const unsigned t = threadIdx.x, r = rank_in_cluster();
+  const float v = 100.f * blockIdx.x + t;
+  reinterpret_cast<float*>(mine)[t] = v;
+  asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(in_rank(inbox + t, (r + 1) % n)), "f"(v)
+               : "memory");
+  cluster_sync();
+  float* o = out + blockIdx.x * 64;
+  if (t < 8) {
+    float4 w;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(w.x), "=f"(w.y), "=f"(w.z), "=f"(w.w)
+                 : "r"(in_rank(mine + t, (r + 1) % n)) : "memory");
+    o[4 * t] = w.x; o[4 * t + 1] = w.y; o[4 * t + 2] = w.z; o[4 * t + 3] = w.w;
+  }
+  o[32 + t] = inbox[t];
+  cluster_sync();  // (no CTA leaves while another may still read its shared memory)
+}
+"""
+
+
+def test_a_thread_block_cluster_on_the_emulator():
+    """Two clusters of 4 CTAs: each CTA's rank, a store into and a float4 load from a
+    neighbour's shared memory through mapa, ordered by the cluster barrier."""
+    if not cuda_emu.available():
+        pytest.skip("needs a C++20 compiler (g++)")
+    lib = cuda_emu.build(CLUSTER_KERNEL)
+    out = torch.full((8, 64), float("nan"))
+    cuda_emu.launch(lib, "neighbours", (8, 1, 1), 32, 0, (4, 1, 1), (out,), (4,))
+    b = torch.arange(8)
+    nxt, prv = b - b % 4 + (b + 1) % 4, b - b % 4 + (b + 3) % 4
+    t = torch.arange(32, dtype=torch.float32)
+    want = torch.cat([100 * nxt[:, None] + t, 100 * prv[:, None] + t], dim=1)
+    assert torch.equal(out, want)
