@@ -3,9 +3,12 @@
 The source (kernels/cuda_q4.py's SOURCE, or a test's own kernel) is compiled by the host's
 C++ compiler after each inline-PTX statement is rewritten into a call of a C++ emulation of
 that instruction (`PTX` below lists the ones our kernels use); every CUDA thread of a thread
-block cluster runs as a host thread, `__syncthreads`, the cluster barrier and the warp's
-collectives (ldmatrix, mma.sync, shfl) as barriers; static `__shared__` variables live in the
-CTA's shared memory after the dynamic part. The result checks what a launch writes
+block cluster runs as a host thread (the clusters one after another, or with `coresident` the
+whole grid at once: a persistent kernel whose CTAs wait on each other's flags in global
+memory, such a wait failing the launch at a deadline); `__syncthreads`, the cluster barrier
+and the warp's collectives (ldmatrix, mma.sync, shfl) are barriers; static `__shared__`
+variables live in the CTA's shared memory after the dynamic part. The result checks what a
+launch writes
 where, which rows and columns it reads, and its synchronisation's structure — not the GPU's
 bits or speed: mma.sync sums its 16 products in float64 here and in an order of the
 hardware's own on the GPU, and fp16 arithmetic rounds once as the PTX defines. So tests
@@ -34,6 +37,7 @@ from pathlib import Path
 
 HEADER = r"""
 #include <atomic>
+#include <chrono>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -238,7 +242,23 @@ inline unsigned cluster_rank() { return t_cta->rank; }
 inline void cluster_arrive() { t_token.emplace(t_cluster->bar->arrive()); }
 inline void cluster_wait() { t_cluster->bar->wait(std::move(*t_token)); t_token.reset(); }
 inline void cp_async(unsigned dst, const void* src, int n) { std::memcpy(shared_ptr(dst), src, n); }
+// global-memory flags between CTAs (a persistent kernel's counters; a launch with `coresident`
+// runs every CTA at once): a load that waits yields the host core first, so spinners let the
+// writers run, and a wait past the launch's deadline fails the launch instead of hanging it
+// (a flag no CTA sets, or a grid launched a cluster at a time that needed `coresident`)
+inline std::chrono::steady_clock::time_point g_deadline;
+template <typename A> inline unsigned* gptr(A a) { return (unsigned*)(uintptr_t)(a); }
+inline void waiting() {
+  std::this_thread::yield();
+  if (std::chrono::steady_clock::now() > g_deadline)
+    throw std::runtime_error("a wait on a global flag outlived the launch's deadline");
+}
+template <typename A> inline unsigned ld_acquire(A a) { waiting(); return __atomic_load_n(gptr(a), __ATOMIC_ACQUIRE); }
+template <typename A> inline unsigned ld_relaxed(A a) { waiting(); return __atomic_load_n(gptr(a), __ATOMIC_RELAXED); }
+template <typename A> inline void red_release_add(A a, unsigned v) { __atomic_fetch_add(gptr(a), v, __ATOMIC_RELEASE); }
+template <typename A> inline void st_release(A a, unsigned v) { __atomic_store_n(gptr(a), v, __ATOMIC_RELEASE); }
 }  // namespace emu
+inline void __nanosleep(unsigned) { std::this_thread::yield(); }
 
 #define threadIdx emu::t_thread
 #define blockIdx emu::t_block
@@ -256,17 +276,27 @@ typedef void (*Fn)();
 static void call(Fn fn, int np, void** p, int ni, const int* iv);
 
 // one host thread per CUDA thread of a cluster, kept for the whole launch: the clusters run one
-// after another, each on fresh CTAs (shared memory poisoned) and fresh barriers
+// after another, each on fresh CTAs (shared memory poisoned) and fresh barriers; with
+// `coresident`, all of the grid's clusters at once (a persistent kernel whose CTAs wait on
+// each other's flags: up to MAX_CORESIDENT threads in all)
+constexpr unsigned MAX_CORESIDENT = 4096;
 extern "C" int emu_launch(Fn fn, unsigned gx, unsigned gy, unsigned gz, unsigned threads,
                           unsigned smem, unsigned cx, unsigned cy, unsigned cz, int np, void** p,
-                          int ni, const int* iv, char* err, int err_len) {
+                          int ni, const int* iv, char* err, int err_len, int coresident,
+                          int deadline_s) {
+  emu::g_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(deadline_s);
   emu::g_block_dim = {threads, 1, 1};
   emu::g_grid_dim = {gx, gy, gz};
-  const unsigned per = cx * cy * cz, n = per * threads;
+  const unsigned per = cx * cy * cz;
   std::vector<dim3> origins;
   for (unsigned bz = 0; bz < gz; bz += cz)
     for (unsigned by = 0; by < gy; by += cy)
       for (unsigned bx = 0; bx < gx; bx += cx) origins.push_back({bx, by, bz});
+  const unsigned groups = coresident ? (unsigned)origins.size() : 1u, n = groups * per * threads;
+  if (coresident && n > MAX_CORESIDENT) {
+    std::snprintf(err, err_len, "a co-resident grid of %u threads (at most %u)", n, MAX_CORESIDENT);
+    return 1;
+  }
   struct State {
     emu::Cluster cl;
     std::unique_ptr<emu::Barrier> cbar;
@@ -275,7 +305,7 @@ extern "C" int emu_launch(Fn fn, unsigned gx, unsigned gy, unsigned gz, unsigned
     std::vector<std::unique_ptr<emu::Warp>> warps;
   };
   auto fresh = [&](State& st) {
-    st.cbar.reset(new emu::Barrier(n));
+    st.cbar.reset(new emu::Barrier(per * threads));
     st.cl.bar = st.cbar.get();
     st.ctas = std::vector<emu::Cta>(per);
     st.bars.clear(); st.warps.clear(); st.cl.ctas.clear();
@@ -292,20 +322,22 @@ extern "C" int emu_launch(Fn fn, unsigned gx, unsigned gy, unsigned gz, unsigned
       st.cl.ctas.push_back(&st.ctas[r]);
     }
   };
-  State st;
+  std::vector<State> sts(groups);
   std::string failure;
   std::mutex fm;
-  size_t current = 0;
-  // every thread and the caller: the cluster's state is set before and read after these
+  size_t current = 0;  // the round's first cluster
+  // every thread and the caller: the clusters' state is set before and read after these
   std::barrier<> go(n + 1), done(n + 1);
   std::vector<std::thread> ts;
-  for (unsigned r = 0; r < per; ++r)
-    for (unsigned t = 0; t < threads; ++t)
-      ts.emplace_back([&, r, t] {
+  for (unsigned g = 0; g < groups; ++g)
+    for (unsigned r = 0; r < per; ++r)
+      for (unsigned t = 0; t < threads; ++t)
+      ts.emplace_back([&, g, r, t] {
+        State& st = sts[g];
         for (;;) {
           go.arrive_and_wait();
           if (current == origins.size()) return;
-          const dim3 o = origins[current];
+          const dim3 o = origins[current + g];
           emu::t_thread = {t, 0, 0};
           emu::t_block = {o.x + r % cx, o.y + (r / cx) % cy, o.z + r / (cx * cy)};
           emu::t_cta = &st.ctas[r];
@@ -323,8 +355,8 @@ extern "C" int emu_launch(Fn fn, unsigned gx, unsigned gy, unsigned gz, unsigned
           done.arrive_and_wait();
         }
       });
-  for (current = 0; current < origins.size(); ++current) {
-    fresh(st);
+  for (current = 0; current < origins.size(); current += groups) {
+    for (State& st : sts) fresh(st);
     go.arrive_and_wait();
     done.arrive_and_wait();
     if (!failure.empty()) break;
@@ -361,6 +393,12 @@ PTX = {
     "cp.async.cg.shared.global": lambda o: f"emu::cp_async({o[0]}, {o[1]}, {o[2]});",
     "cp.async.commit_group": lambda o: ";",
     "cp.async.wait_group": lambda o: ";",
+    "ld.acquire.gpu.global.u32": lambda o: f"{o[0]} = emu::ld_acquire({o[1]});",
+    "ld.relaxed.gpu.global.u32": lambda o: f"{o[0]} = emu::ld_relaxed({o[1]});",
+    "red.release.gpu.global.add.u32": lambda o: f"emu::red_release_add({o[0]}, {o[1]});",
+    "st.release.gpu.global.u32": lambda o: f"emu::st_release({o[0]}, {o[1]});",
+    "fence.acq_rel.gpu": lambda o: "std::atomic_thread_fence(std::memory_order_acq_rel);",
+    "nanosleep.u32": lambda o: "std::this_thread::yield();",
 }
 
 
@@ -498,15 +536,19 @@ def build(source: str) -> ctypes.CDLL:
 
 
 def launch(lib: ctypes.CDLL, name: bytes | str, grid, threads: int, smem: int, cluster,
-           tensors, ints) -> None:
-    """name<<<grid, threads, smem>>> over CPU tensors, clusters of `cluster` CTAs."""
+           tensors, ints, coresident: bool = False, deadline_s: int = 120) -> None:
+    """name<<<grid, threads, smem>>> over CPU tensors, clusters of `cluster` CTAs; coresident:
+    every CTA at once (a persistent kernel's, whose CTAs wait on each other), else a cluster
+    at a time. A wait on a global flag (ld.acquire / ld.relaxed) past deadline_s seconds from
+    the launch's start fails it."""
     fn = ctypes.cast(getattr(lib, name.decode() if isinstance(name, bytes) else name), ctypes.c_void_p)
     ptrs = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
     iv = (ctypes.c_int * max(1, len(ints)))(*ints)
     err = ctypes.create_string_buffer(512)
     if lib.emu_launch(fn, *[ctypes.c_uint(v) for v in grid], ctypes.c_uint(threads),
                       ctypes.c_uint(smem), *[ctypes.c_uint(v) for v in cluster],
-                      len(tensors), ptrs, len(ints), iv, err, 512):
+                      len(tensors), ptrs, len(ints), iv, err, 512, int(coresident),
+                      int(deadline_s)):
         raise RuntimeError(f"cuda_emu: {name!r}: {err.value.decode()}")
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels import cuda_q4  # (no Triton here: test_triton_kernels.py interprets it)
-from tests.kernels import cuda_emu
+from tests.kernels import cuda_emu, ptxas
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +155,65 @@ def test_a_thread_block_cluster_on_the_emulator():
     t = torch.arange(32, dtype=torch.float32)
     want = torch.cat([100 * nxt[:, None] + t, 100 * prv[:, None] + t], dim=1)
     assert torch.equal(out, want)
+
+
+CHAIN_KERNEL = r"""
+// a persistent kernel's handshake between CTAs: CTA b waits for CTA b + 1's flag (a release
+// add there, an acquire load here), takes its published total and publishes its own; out =
+// the suffix sums of x. Run a cluster at a time, CTA 0 would wait forever.
+extern "C" __global__ void suffix(const float* x, float* out, float* total, unsigned* flag, int n) {
+  __shared__ float carry;
+  const unsigned t = threadIdx.x, b = blockIdx.x;
+  if (t == 0) {
+    float c = 0.f;
+    if (b + 1 < gridDim.x) {
+      for (;;) {
+        unsigned seen;
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(flag + b + 1) : "memory");
+        if (seen) break;
+        __nanosleep(32);
+      }
+      c = total[b + 1];
+    }
+    carry = c;
+  }
+  __syncthreads();
+  float s = carry;
+  for (int u = n - 1; u >= (int)t; --u) s += x[b * n + u];
+  out[b * n + t] = s;
+  if (t == 0) {
+    total[b] = s;
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(flag + b), "r"(1u) : "memory");
+  }
+}
+"""
+
+
+def test_a_coresident_grid_whose_ctas_wait_on_each_other():
+    """A launch with `coresident` runs every CTA at once, so CTAs that wait on flags other CTAs
+    set (a persistent kernel's phases) finish: 16 CTAs in a chain from the last to the first
+    give x's suffix sums exactly (and NVRTC, where installed, compiles it for sm_90 as
+    written); launched a cluster at a time, the first CTA's wait fails at the deadline instead
+    of hanging; a grid too large to hold at once is refused."""
+    if not cuda_emu.available():
+        pytest.skip("needs a C++20 compiler (g++)")
+    if ptxas.HAVE_NVRTC:
+        code = cuda_q4._compile("compute_90", CHAIN_KERNEL).decode()
+        assert "ld.acquire.gpu.global.u32" in code and "red.release.gpu.global.add.u32" in code
+    lib = cuda_emu.build(CHAIN_KERNEL)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(-8, 9, (16, 32), generator=g).float()
+    out, total = torch.full_like(x, float("nan")), torch.full((16,), float("nan"))
+    flag = torch.zeros(16, dtype=torch.int32)
+    cuda_emu.launch(lib, "suffix", (16, 1, 1), 32, 0, (1, 1, 1), (x, out, total, flag), (32,),
+                    coresident=True)
+    want = x.flatten().flip(0).cumsum(0).flip(0).view(16, 32)
+    assert torch.equal(out, want) and torch.equal(total, want[:, 0])
+    assert flag.tolist() == [1] * 16
+    flag.zero_()  # a cluster at a time, CTA 0 waits for a flag no CTA has run to set
+    with pytest.raises(RuntimeError, match="outlived the launch's deadline"):
+        cuda_emu.launch(lib, "suffix", (16, 1, 1), 32, 0, (1, 1, 1), (x, out, total, flag), (32,),
+                        deadline_s=1)
+    with pytest.raises(RuntimeError, match="co-resident grid of 6400 threads"):
+        cuda_emu.launch(lib, "suffix", (200, 1, 1), 32, 0, (1, 1, 1),
+                        (x, out, total, torch.zeros(200, dtype=torch.int32)), (32,), coresident=True)
