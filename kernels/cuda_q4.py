@@ -773,6 +773,137 @@ Q4_ENTRY(8, 1, 0) Q4_ENTRY(8, 2, 0) Q4_ENTRY(8, 4, 0) Q4_ENTRY(16, 1, 0) Q4_ENTR
 extern "C" __global__ void q4_probe1(Q4_ARGS) { q4_split<false, 2, 0, 1>(Q4_PASS); }
 extern "C" __global__ void q4_probe2(Q4_ARGS) { q4_split<false, 2, 0, 2>(Q4_PASS); }
 extern "C" __global__ void q4_probe3(Q4_ARGS) { q4_split<false, 2, 0, 3>(Q4_PASS); }
+// ---- a persistent chain (an experiment: bench/chain_probe.py, `chain` below): P q4 linears
+// at 1-8 rows, y_p = x_p @ W_p.T (+ res_p) and x_{p+1} = y_p, in one launch. CTA b takes
+// column tile b (16 columns) of every phase that has one; its S_p warps run the CTA form's
+// splits from weights that cp.async streamed whole into shared memory one phase ahead (two
+// buffers), and the partials merge in split order as q4_cta's do: q4_cta's arithmetic in its
+// order, so its bits. Between phases a CTA waits until every tile of phase p - 1 is counted
+// in done[p - 1] (acquire loads, spinning) while phase p's weights are already landing; a
+// tile counts after its CTA's writes (release add). grid: the largest phase's tiles, every
+// CTA resident at once (the host checks); block 32 x max S; dynamic shared memory two
+// buffers of `buf` bytes (K / 32 blocks x 320 bytes) and the partials (S x 16 x 16 floats).
+// desc: P rows of 8 int64: qs, sm, y, res (0: none), N, K, S, 0.
+__device__ __forceinline__ void chain_issue(const long long* d, int tile, unsigned char* buf, int warp) {
+  const unsigned char* qs = reinterpret_cast<const unsigned char*>(d[0]);
+  const unsigned char* sm = reinterpret_cast<const unsigned char*>(d[1]);
+  const int N = (int)d[4], K = (int)d[5], S = (int)d[6];
+  if (warp >= S || tile * 16 >= N) return;
+  int k_lo, k_hi;
+  split_k(K, S, warp, k_lo, k_hi);
+  const int kb0 = k_lo >> 5, nb = (k_hi - k_lo) >> 5, n0 = tile * 16;
+  unsigned char* sq = buf;  // block b's 16 columns x 16 bytes at b x 256, then its pairs at
+  unsigned char* ss = buf + (K >> 5) * 256;  // (K / 32) x 256 + b x 64
+  for (int i = threadIdx.x & 31; i < nb * 20; i += 32) {
+    const int b = kb0 + i / 20, ch = i % 20;
+    if (ch < 16)
+      cp_async16(sq + b * 256 + ch * 16, qs + ((long)b * N + n0) * 16 + ch * 16);
+    else
+      cp_async16(ss + b * 64 + (ch - 16) * 16, sm + ((long)b * N + n0) * 4 + (ch - 16) * 16);
+  }
+}
+
+// until *f >= want; past ~2^24 polls (seconds: a CTA that never ran) a trap, not a hang.
+// probe (bench only): 1 polls without the sleep between, 2 does not wait (wrong values)
+__device__ __forceinline__ void chain_wait(const unsigned* f, unsigned want, int probe) {
+  if (probe == 2) return;
+  for (long spins = 0;; ++spins) {
+    unsigned seen;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(f) : "memory");
+    if (seen >= want) return;
+    if (spins > (1L << 24)) asm volatile("trap;");
+    if (probe != 1) __nanosleep(32);
+  }
+}
+
+// load_x's pairs for row r0 (valid v0) from L2 (ld.global.cg: x was written in this launch)
+__device__ __forceinline__ void chain_x(const float* xr, bool v0, int kb, int c, float2 p[4]) {
+#pragma unroll
+  for (int h = 0; h < 4; ++h)
+    p[h] = v0 ? __ldcg(reinterpret_cast<const float2*>(xr + kb + 2 * c + 8 * h)) : make_float2(0.f, 0.f);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2)
+q4_chain(const float* __restrict__ x0, const long long* __restrict__ desc, unsigned* done,
+         int P, int M, int buf, int probe) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  constexpr int NT = 2, C = 16;
+  const int tile = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int c = lane & 3, g = lane >> 2, n0 = tile * C;
+  float* part = reinterpret_cast<float*>(smem + 2 * buf);  // [S][16][C]
+  unsigned sel;
+  int word;
+  lane_bytes(c, sel, word);
+  chain_issue(desc, tile, smem, warp);  // (the weights: before the wait, as the ring's loads)
+  asm volatile("cp.async.commit_group;" ::: "memory");
+  pdl_wait();  // x0 and the zeroed counters: written by the kernels before
+  for (int p = 0; p < P; ++p) {
+    const long long* d = desc + 8 * p;
+    __syncthreads();  // every warp is past buffer (p + 1) & 1 (phase p - 1's) and the partials
+    if (p + 1 < P) chain_issue(d + 8, tile, smem + ((p + 1) & 1) * buf, warp);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    const int N = (int)d[4], K = (int)d[5], S = (int)d[6];
+    if (n0 >= N) continue;  // (the whole CTA alike)
+    const float* x = p ? reinterpret_cast<const float*>(desc[8 * (p - 1) + 2]) : x0;
+    if (p) chain_wait(done + p - 1, (unsigned)((int)desc[8 * (p - 1) + 4] / C), probe);
+    if (warp < S) {
+      asm volatile("cp.async.wait_group 1;" ::: "memory");  // this phase's group: landed
+      __syncwarp();
+      int k_lo, k_hi;
+      split_k(K, S, warp, k_lo, k_hi);
+      const unsigned char* sq = smem + (p & 1) * buf;
+      const unsigned char* ss = sq + (K >> 5) * 256;
+      const bool v0 = g < M;
+      const float* xr = x + (long)(v0 ? g : 0) * K;
+      const int kb0 = k_lo >> 5, nb = (k_hi - k_lo) >> 5;
+      float acc[NT][4];
+#pragma unroll
+      for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+      float2 xp[4][4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) chain_x(xr, v0, k_lo + 32 * j, c, xp[j]);
+      for (int b0 = 0; b0 < nb; b0 += 4) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int b = kb0 + b0 + j;
+          unsigned w0[NT], w1[NT], s[NT];
+#pragma unroll
+          for (int i = 0; i < NT; ++i) {
+            w0[i] = *reinterpret_cast<const unsigned*>(sq + b * 256 + (g + 8 * i) * 16 + word);
+            w1[i] = *reinterpret_cast<const unsigned*>(sq + b * 256 + (g + 8 * i) * 16 + word + 8);
+            s[i] = *reinterpret_cast<const unsigned*>(ss + b * 64 + (g + 8 * i) * 4);
+          }
+          block_mma<false, NT>(acc, xp[j], sel, w0, w1, s);
+          if (b0 + j + 4 < nb) chain_x(xr, v0, k_lo + 32 * (b0 + j + 4), c, xp[j]);
+        }
+      }
+      float* mine = part + warp * 16 * C;
+#pragma unroll
+      for (int i = 0; i < NT; ++i) {
+        const int cc = 8 * i + 2 * c;
+        *reinterpret_cast<float2*>(mine + g * C + cc) = make_float2(acc[i][0], acc[i][1]);
+        *reinterpret_cast<float2*>(mine + (g + 8) * C + cc) = make_float2(acc[i][2], acc[i][3]);
+      }
+    }
+    __syncthreads();
+    float* y = reinterpret_cast<float*>(d[2]);
+    const float* res = reinterpret_cast<const float*>(d[3]);
+    for (int e = threadIdx.x; e < 16 * C; e += blockDim.x) {  // q4_cta's merge
+      const int r = e / C;
+      if (r >= M) continue;
+      float v = part[e];
+      for (int q = 1; q < S; ++q) v = v + part[q * 16 * C + e];  // split order 0..S-1
+      const long cc = n0 + e % C;
+      y[(long)r * N + cc] = res ? res[(long)r * N + cc] + v : v;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(done + p), "r"(1u) : "memory");
+    }
+  }
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
 """
 # the swapped form's (MT, NG, W) instances
 SWAP_FORMS = tuple((mt, ng, w) for mt in (1, 2) for ng in (2, 4, 8) for w in (4, 8))
@@ -874,6 +1005,7 @@ EXTRA_ENTRIES = tuple(f"q4_split{rows}_{cols // 8}_d{d}".encode()
                       for rows in (8, 16) for cols in (8, 16, 32) for d in (0, 2, 4, 8)
                       if cols * d <= 128 and (d < 8 or rows == 8))
 EXTRA_ENTRIES += tuple(f"q4_swap{mt}_{ng}_w{w}".encode() for mt, ng, w in SWAP_FORMS) + PROBES
+EXTRA_ENTRIES += (b"q4_chain",)  # the persistent chain (`chain`), an experiment
 STREAM = 0  # the depth that names the other form: the warp's split streamed into shared memory
 COLS = 16  # columns a warp by default (the fastest at 1-8 rows of qkv, GPU_NOTES v15)
 DEPTH = 8  # blocks a warp keeps in flight (register ring slots), or STREAM
@@ -1093,6 +1225,56 @@ def _cta_plan(lin: Q4Linear, rows: int, cols: int, depth: int, chosen: bool) -> 
     while blocks % depth or (depth == 8 and rows > 8):
         depth //= 2
     return wide, depth
+
+
+CHAIN_COLS = 16  # the persistent chain's column tile (q4_chain: NT 2)
+
+
+def chain_desc(lins: list, outs: list, residuals: list | None = None) -> torch.Tensor:
+    """q4_chain's phase table for `chain` (int64 [P, 8]: the weights', output's and residual's
+    addresses, N, K, the split count), on the weights' device; checks that the phases chain
+    (each K the previous N) and that the kernel takes each weight."""
+    rows = []
+    for p, (lin, y) in enumerate(zip(lins, outs)):
+        res = residuals[p] if residuals else None
+        n, k, sp = lin.out_features, lin.in_features, lin.split
+        blocks = -(-k // 64 // sp) * 2  # a split's 32-input blocks
+        if n % CHAIN_COLS or k % 64 or LINEAR_TILE.bk != 64 or sp > CTA_SPLITS_256 or blocks % 4 \
+                or (p and k != lins[p - 1].out_features) or y.shape[1] != n or not y.is_contiguous():
+            raise ValueError(f"cuda_q4: chain phase {p}: N a multiple of {CHAIN_COLS}, K of 64 "
+                             "and the previous N, at most 8 splits of whole 4-block rounds, "
+                             "contiguous outputs")
+        rows.append([lin.qs.data_ptr(), lin.sm.data_ptr(), y.data_ptr(),
+                     res.data_ptr() if res is not None else 0, n, k, sp, 0])
+    return torch.tensor(rows, dtype=torch.int64).to(lins[0].qs.device)
+
+
+def chain(lins: list, x: torch.Tensor, desc: torch.Tensor, done: torch.Tensor,
+          probe: int = 0) -> None:
+    """The P linears of `desc` (chain_desc of lins and their outputs) at x's 1-8 rows in one
+    persistent launch (q4_chain): each output is cuda_q4.linear's, bit for bit, of the
+    previous one (x first). done: P int32 counters, zero at the launch (zero it first for a
+    next one). Every CTA must be resident at once: refused where the device cannot hold them.
+    probe (bench only): 1 polls the counters without sleeping, 2 skips the waits (wrong
+    values: what the phases cost without their ordering)."""
+    m, big_k = x.shape
+    if m > 8 or x.dtype != torch.float32 or not x.is_contiguous() or big_k != lins[0].in_features:
+        raise ValueError("cuda_q4: the chain takes 1-8 contiguous float32 rows of K0 inputs")
+    grid = max(lin.out_features for lin in lins) // CHAIN_COLS
+    threads = 32 * max(lin.split for lin in lins)
+    buf = max(lin.in_features for lin in lins) // 32 * 320
+    smem = 2 * buf + threads // 32 * 16 * CHAIN_COLS * 4
+    cuda, fns = _functions(x.device.index or 0)
+    fn = fns[b"q4_chain"]
+    if x.is_cuda:
+        per_sm = ctypes.c_int()
+        if smem > 48 * 1024 and cuda.cuFuncSetAttribute(fn, 8, smem):
+            raise ValueError(f"cuda_q4: the chain's {smem} bytes of shared memory")
+        cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(per_sm), fn, threads, smem)
+        if per_sm.value * _sm_count(x.device.index or 0) < grid:
+            raise ValueError(f"cuda_q4: the chain's {grid} CTAs do not fit at once "
+                             f"({per_sm.value} an SM at {smem} bytes of shared memory)")
+    _launch(cuda, fn, (grid, 1, 1), threads, smem, (x, desc, done), (len(lins), m, buf, probe))
 
 
 def experts_fit(experts, x: torch.Tensor) -> bool:

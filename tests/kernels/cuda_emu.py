@@ -399,6 +399,7 @@ PTX = {
     "st.release.gpu.global.u32": lambda o: f"emu::st_release({o[0]}, {o[1]});",
     "fence.acq_rel.gpu": lambda o: "std::atomic_thread_fence(std::memory_order_acq_rel);",
     "nanosleep.u32": lambda o: "std::this_thread::yield();",
+    "trap": lambda o: 'throw std::runtime_error("trap")',
 }
 
 
@@ -553,10 +554,10 @@ def launch(lib: ctypes.CDLL, name: bytes | str, grid, threads: int, smem: int, c
 
 
 @contextlib.contextmanager
-def emulated(lib: ctypes.CDLL, clusters: dict | None = None):
+def emulated(lib: ctypes.CDLL, clusters: dict | None = None, coresident: tuple = ()):
     """cuda_q4's module loader, launcher and operand check replaced by the emulator (over
     `lib`) for the block; clusters: {entry name: its __cluster_dims__} for the entries
-    launched as clusters."""
+    launched as clusters; coresident: the entries whose CTAs all run at once (persistent)."""
     import pytest
     import torch
 
@@ -567,7 +568,8 @@ def emulated(lib: ctypes.CDLL, clusters: dict | None = None):
             return key.decode() if isinstance(key, bytes) else key
 
     def launch_(cuda, fn, grid, threads, smem, tensors, ints):
-        launch(lib, fn, grid, threads, smem, (clusters or {}).get(fn, (1, 1, 1)), tensors, ints)
+        launch(lib, fn, grid, threads, smem, (clusters or {}).get(fn, (1, 1, 1)), tensors, ints,
+               coresident=fn in coresident)
 
     def check(x, out, residual):  # cuda_q4._check without its CUDA-only rule
         for t in (x, out) + ((residual,) if residual is not None else ()):
