@@ -7,7 +7,10 @@ its next phase's weights into shared memory while the phase before finishes, the
 ordered by counters in global memory). Prints µs a phase, the weight bandwidth, its share of
 a device copy and whether the two give the same bits in every phase. What a kernel boundary
 costs on the one-token chain, and what keeping the weights in flight across it buys — the
-question before a persistent kernel a layer (kernels/GPU_NOTES.md v26, Next 1). Not a test.
+question before a persistent kernel a layer (kernels/GPU_NOTES.md v26, Next 1). Two chains:
+weights streamed into shared memory a phase ahead, or today's register ring (its first blocks'
+weights before the wait) — each with its probes: counters polled without the sleep, and no
+waits at all (wrong values: the phases' own cost). Not a test.
 
     python -m bench.chain_probe [--phases 48] [--rows 1,8] [--json out.json]
 """
@@ -59,30 +62,40 @@ def main() -> None:
             for lin, y in zip(lins, per_op):
                 prev = cuda_q4.linear(lin, prev, y)
 
-        def chain(probe=0):
+        def chain(probe=0, ring=False):
             done.zero_()
-            cuda_q4.chain(lins, x, desc, done, probe)
+            cuda_q4.chain(lins, x, desc, done, probe, ring)
 
         found = {}
-        for name, fn in (("per-op (CTA form, PDL)", ops), ("persistent chain", chain),
-                         ("chain, polls unslept", lambda: chain(1)),
-                         ("chain, no waits (wrong)", lambda: chain(2))):
+        for name, fn in (("per-op (CTA form, PDL)", ops),
+                         ("chain (shared memory)", chain),
+                         ("  shared: polls unslept", lambda: chain(1)),
+                         ("  shared: no waits (wrong)", lambda: chain(2)),
+                         ("chain (register ring)", lambda: chain(0, True)),
+                         ("  ring: polls unslept", lambda: chain(1, True)),
+                         ("  ring: no waits (wrong)", lambda: chain(2, True))):
             try:
                 found[name] = time_ms(fn, reps=5, iters=15)
-            except Exception as e:  # noqa: BLE001 - reported, the other goes on
+            except Exception as e:  # noqa: BLE001 - reported, the others go on
                 print(f"{name} at {m} rows failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         ops()
-        chain()
-        torch.cuda.synchronize()
-        same = all(torch.equal(u, v) and bool(u.isfinite().all()) for u, v in zip(per_op, chained))
+        same = True
+        for ring in (False, True):  # each chain's bits against the per-op path's, every phase
+            for y in chained:
+                y.fill_(float("nan"))
+            chain(0, ring)
+            torch.cuda.synchronize()
+            same = same and all(torch.equal(u, v) and bool(u.isfinite().all())
+                                for u, v in zip(per_op, chained))
         for name, ms in found.items():
             us = 1e3 * ms / len(lins)
             gbs = nbytes / ms / 1e6
-            print(f"{m:>2} rows  {name:<24} {us:>7.2f} µs a phase  {gbs:>6.0f} GB/s  "
+            print(f"{m:>2} rows  {name:<27} {us:>7.2f} µs a phase  {gbs:>6.0f} GB/s  "
                   f"{100 * gbs / copy_gbs:>5.1f}% of copy", flush=True)
-            rows.append(dict(rows=m, mode=name, us_per_phase=us, gbs=gbs,
+            rows.append(dict(rows=m, mode=name.strip(), us_per_phase=us, gbs=gbs,
                              pct_copy=100 * gbs / copy_gbs, bits_equal=same))
-        print(f"{m:>2} rows  the same finite bits in every phase: {'yes' if same else 'NO'} "
+        print(f"{m:>2} rows  both chains: the per-op path's finite bits in every phase: "
+              f"{'yes' if same else 'NO'} "
               f"(last |y| max {per_op[-1].abs().max().item():.3g})", flush=True)
     if a.json:
         with open(a.json, "w") as f:

@@ -119,6 +119,11 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// ring_acc's wait (after its first weight loads): pdl_wait, or q4_chain_ring's counters
+struct PdlWait {
+  __device__ __forceinline__ void operator()() const { pdl_wait(); }
+};
+
 __device__ __forceinline__ void mma(float d[4], const unsigned a[4], const unsigned b[2]) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
                "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
@@ -156,6 +161,24 @@ __device__ __forceinline__ void load_x(const __half* x0, const __half* x1, bool 
     for (int h = 0; h < 4; ++h)
       p[4 + h] = v1 ? __half22float2(__ldg(reinterpret_cast<const __half2*>(x1 + kb + 2 * c + 8 * h)))
                     : make_float2(0.f, 0.f);
+  }
+}
+
+// load_x for x written in the same launch (q4_chain_ring): the same pairs read from L2
+// (ld.global.cg) rather than through the read-only path (a distinct type selects it)
+struct L2F {
+  float v;
+};
+template <bool ROWS16>
+__device__ __forceinline__ void load_x(const L2F* x0, const L2F* x1, bool v0, bool v1, int kb,
+                                       int c, float2 p[ROWS16 ? 8 : 4]) {
+#pragma unroll
+  for (int h = 0; h < 4; ++h)
+    p[h] = v0 ? __ldcg(reinterpret_cast<const float2*>(x0 + kb + 2 * c + 8 * h)) : make_float2(0.f, 0.f);
+  if (ROWS16) {
+#pragma unroll
+    for (int h = 0; h < 4; ++h)
+      p[4 + h] = v1 ? __ldcg(reinterpret_cast<const float2*>(x1 + kb + 2 * c + 8 * h)) : make_float2(0.f, 0.f);
   }
 }
 
@@ -222,11 +245,12 @@ __device__ __forceinline__ void lane_bytes(int c, unsigned& sel, int& word) {
 // acc += the split [k_lo, k_hi) of the 8 NT columns from n0, its blocks through a ring of D
 // register slots: D blocks' loads (weights and x) in flight ahead of the MMAs, which take the
 // blocks in ascending order. nb % D == 0 (the host picks D); the last round only computes.
-template <bool ROWS16, int NT, int D, typename XT>
+template <bool ROWS16, int NT, int D, typename XT, typename Wait = PdlWait>
 __device__ __forceinline__ void ring_acc(float acc[NT][4], const unsigned char* __restrict__ qs,
                                          const unsigned* __restrict__ sm, const XT* x0,
                                          const XT* x1, bool v0, bool v1, int N, int k_lo,
-                                         int k_hi, int n0, int g, int c, int word, unsigned sel) {
+                                         int k_hi, int n0, int g, int c, int word, unsigned sel,
+                                         Wait wait = Wait()) {
   unsigned w0[D][NT], w1[D][NT], wsm[D][NT];
   float2 xp[D][ROWS16 ? 8 : 4];
   const int nb = (k_hi - k_lo) >> 5;
@@ -240,7 +264,7 @@ __device__ __forceinline__ void ring_acc(float acc[NT][4], const unsigned char* 
     load_block<NT>(wb, sb, w0[j], w1[j], wsm[j]);
     wb += wstep; sb += N;
   }
-  pdl_wait();
+  wait();
 #pragma unroll
   for (int j = 0; j < D; ++j) {  // their x: a kernel wrote it
     load_x<ROWS16>(xa, xb, v0, v1, 0, c, xp[j]);
@@ -904,6 +928,79 @@ q4_chain(const float* __restrict__ x0, const long long* __restrict__ desc, unsig
   }
   asm volatile("cp.async.wait_group 0;" ::: "memory");
 }
+
+// ring_acc's wait in q4_chain_ring: phase 0 waits on the kernels before (PDL), a later phase
+// until every tile of the one before is counted
+struct ChainWait {
+  const unsigned* f;
+  unsigned want;
+  int probe;
+  __device__ __forceinline__ void operator()() const {
+    if (f) chain_wait(f, want, probe); else pdl_wait();
+  }
+};
+
+// The chain with today's compute: a CTA takes tiles b, b + G, ... of each phase and runs each
+// as q4_cta does (its S warps' splits through the register ring, the first D blocks' weights
+// issued before the wait, the partials merged in split order), only the launch boundary
+// replaced by the counters. grid: G CTAs, all resident (the host checks); block 32 x max S;
+// dynamic shared memory max S x 16 x 16 floats. desc as q4_chain's.
+extern "C" __global__ void __launch_bounds__(256, 1)
+q4_chain_ring(const float* __restrict__ x0, const long long* __restrict__ desc, unsigned* done,
+              int P, int M, int probe) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  constexpr int NT = 2, C = 16, D = 4;
+  float* part = reinterpret_cast<float*>(smem);  // [S][16][C]
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c = lane & 3, g = lane >> 2;
+  unsigned sel;
+  int word;
+  lane_bytes(c, sel, word);
+  for (int p = 0; p < P; ++p) {
+    const long long* d = desc + 8 * p;
+    const unsigned char* qs = reinterpret_cast<const unsigned char*>(d[0]);
+    const unsigned* sm = reinterpret_cast<const unsigned*>(d[1]);
+    float* y = reinterpret_cast<float*>(d[2]);
+    const float* res = reinterpret_cast<const float*>(d[3]);
+    const int N = (int)d[4], K = (int)d[5], S = (int)d[6];
+    const L2F* x = reinterpret_cast<const L2F*>(p ? reinterpret_cast<const float*>(desc[8 * (p - 1) + 2]) : x0);
+    const ChainWait wait{p ? done + p - 1 : nullptr, p ? (unsigned)((int)desc[8 * (p - 1) + 4] / C) : 0u, probe};
+    for (int tile = blockIdx.x; tile * C < N; tile += gridDim.x) {
+      const int n0 = tile * C;
+      if (warp < S) {
+        int k_lo, k_hi;
+        split_k(K, S, warp, k_lo, k_hi);
+        const bool v0 = g < M;
+        const L2F* xr = x + (long)(v0 ? g : 0) * K;
+        float acc[NT][4];
+#pragma unroll
+        for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+        ring_acc<false, NT, D, L2F, ChainWait>(acc, qs, sm, xr, xr, v0, false, N, k_lo, k_hi, n0,
+                                               g, c, word, sel, wait);
+        float* mine = part + warp * 16 * C;
+#pragma unroll
+        for (int i = 0; i < NT; ++i) {
+          const int cc = 8 * i + 2 * c;
+          *reinterpret_cast<float2*>(mine + g * C + cc) = make_float2(acc[i][0], acc[i][1]);
+          *reinterpret_cast<float2*>(mine + (g + 8) * C + cc) = make_float2(acc[i][2], acc[i][3]);
+        }
+      }
+      __syncthreads();
+      for (int e = threadIdx.x; e < 16 * C; e += blockDim.x) {  // q4_cta's merge
+        const int r = e / C;
+        if (r >= M) continue;
+        float v = part[e];
+        for (int q = 1; q < S; ++q) v = v + part[q * 16 * C + e];  // split order 0..S-1
+        const long cc = n0 + e % C;
+        y[(long)r * N + cc] = res ? res[(long)r * N + cc] + v : v;
+      }
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        __threadfence();
+        asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(done + p), "r"(1u) : "memory");
+      }
+    }
+  }
+}
 """
 # the swapped form's (MT, NG, W) instances
 SWAP_FORMS = tuple((mt, ng, w) for mt in (1, 2) for ng in (2, 4, 8) for w in (4, 8))
@@ -1005,7 +1102,7 @@ EXTRA_ENTRIES = tuple(f"q4_split{rows}_{cols // 8}_d{d}".encode()
                       for rows in (8, 16) for cols in (8, 16, 32) for d in (0, 2, 4, 8)
                       if cols * d <= 128 and (d < 8 or rows == 8))
 EXTRA_ENTRIES += tuple(f"q4_swap{mt}_{ng}_w{w}".encode() for mt, ng, w in SWAP_FORMS) + PROBES
-EXTRA_ENTRIES += (b"q4_chain",)  # the persistent chain (`chain`), an experiment
+EXTRA_ENTRIES += (b"q4_chain", b"q4_chain_ring")  # the persistent chains (`chain`), experiments
 STREAM = 0  # the depth that names the other form: the warp's split streamed into shared memory
 COLS = 16  # columns a warp by default (the fastest at 1-8 rows of qkv, GPU_NOTES v15)
 DEPTH = 8  # blocks a warp keeps in flight (register ring slots), or STREAM
@@ -1250,31 +1347,39 @@ def chain_desc(lins: list, outs: list, residuals: list | None = None) -> torch.T
 
 
 def chain(lins: list, x: torch.Tensor, desc: torch.Tensor, done: torch.Tensor,
-          probe: int = 0) -> None:
+          probe: int = 0, ring: bool = False, ctas: int | None = None) -> None:
     """The P linears of `desc` (chain_desc of lins and their outputs) at x's 1-8 rows in one
-    persistent launch (q4_chain): each output is cuda_q4.linear's, bit for bit, of the
-    previous one (x first). done: P int32 counters, zero at the launch (zero it first for a
-    next one). Every CTA must be resident at once: refused where the device cannot hold them.
-    probe (bench only): 1 polls the counters without sleeping, 2 skips the waits (wrong
-    values: what the phases cost without their ordering)."""
+    persistent launch: each output is cuda_q4.linear's, bit for bit, of the previous one (x
+    first). q4_chain: a CTA a column tile of every phase, the weights streamed into shared
+    memory a phase ahead; ring: q4_chain_ring, today's CTA form (register ring, its first
+    blocks' weights before the wait) on `ctas` CTAs (default: as many as the device holds at
+    once, at most the largest phase's tiles) taking tiles b, b + ctas, .... done: P int32
+    counters, zero at the launch (zero it first for a next one). Every CTA must be resident
+    at once: refused where the device cannot hold them. probe (bench only): 1 polls the
+    counters without sleeping, 2 skips the waits (wrong values: what the phases cost without
+    their ordering)."""
     m, big_k = x.shape
     if m > 8 or x.dtype != torch.float32 or not x.is_contiguous() or big_k != lins[0].in_features:
         raise ValueError("cuda_q4: the chain takes 1-8 contiguous float32 rows of K0 inputs")
-    grid = max(lin.out_features for lin in lins) // CHAIN_COLS
+    tiles = max(lin.out_features for lin in lins) // CHAIN_COLS
     threads = 32 * max(lin.split for lin in lins)
-    buf = max(lin.in_features for lin in lins) // 32 * 320
+    buf = 0 if ring else max(lin.in_features for lin in lins) // 32 * 320
     smem = 2 * buf + threads // 32 * 16 * CHAIN_COLS * 4
     cuda, fns = _functions(x.device.index or 0)
-    fn = fns[b"q4_chain"]
+    fn = fns[b"q4_chain_ring" if ring else b"q4_chain"]
+    grid = min(ctas or tiles, tiles) if ring else tiles
     if x.is_cuda:
         per_sm = ctypes.c_int()
         if smem > 48 * 1024 and cuda.cuFuncSetAttribute(fn, 8, smem):
             raise ValueError(f"cuda_q4: the chain's {smem} bytes of shared memory")
         cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(per_sm), fn, threads, smem)
-        if per_sm.value * _sm_count(x.device.index or 0) < grid:
+        held = per_sm.value * _sm_count(x.device.index or 0)
+        grid = min(grid, held) if ring and ctas is None else grid
+        if held < grid:
             raise ValueError(f"cuda_q4: the chain's {grid} CTAs do not fit at once "
                              f"({per_sm.value} an SM at {smem} bytes of shared memory)")
-    _launch(cuda, fn, (grid, 1, 1), threads, smem, (x, desc, done), (len(lins), m, buf, probe))
+    _launch(cuda, fn, (grid, 1, 1), threads, smem, (x, desc, done),
+            (len(lins), m, probe) if ring else (len(lins), m, buf, probe))
 
 
 def experts_fit(experts, x: torch.Tensor) -> bool:

@@ -219,13 +219,15 @@ def test_a_coresident_grid_whose_ctas_wait_on_each_other():
                         (x, out, total, torch.zeros(200, dtype=torch.int32)), (32,), coresident=True)
 
 
-def test_the_persistent_chain_gives_the_cta_forms_bits_on_the_emulator(emu):
-    """cuda_q4.chain (q4_chain: three linears in one co-resident launch, a CTA a column tile of
-    each phase, the weights streamed into shared memory a phase ahead, the phases ordered by
-    counters): at 1-3 rows each phase's output has the bits of cuda_q4.linear's CTA form on the
-    previous phase's (splits 2 / 2 / 1; the middle phase narrower, so half the CTAs sit it
-    out; the last adds a residual), within fp16 rounding of float64, and every tile is counted
-    once."""
+@pytest.mark.parametrize("ring,ctas", [(False, None), (True, 3)])
+def test_the_persistent_chain_gives_the_cta_forms_bits_on_the_emulator(emu, ring, ctas):
+    """cuda_q4.chain (three linears in one co-resident launch, the phases ordered by counters;
+    q4_chain: a CTA a column tile of each phase, the weights streamed into shared memory a
+    phase ahead; q4_chain_ring: 3 CTAs taking every third tile through the CTA form's
+    register ring): at 1-3 rows each phase's output has the bits of cuda_q4.linear's CTA form
+    on the previous phase's (splits 2 / 2 / 1; the middle phase narrower, so CTAs sit it out
+    or take fewer tiles; the last adds a residual), within fp16 rounding of float64, and every
+    tile is counted once."""
     from kernels import q4_layout
     from kernels.linear import quantize_q4
     g = torch.Generator().manual_seed(11)
@@ -240,8 +242,8 @@ def test_the_persistent_chain_gives_the_cta_forms_bits_on_the_emulator(emu):
         outs = [torch.full((rows, n), float("nan")) for n, _ in shapes]
         done = torch.zeros(3, dtype=torch.int32)
         desc = cuda_q4.chain_desc(lins, outs, [None, None, res[:rows]])
-        with cuda_emu.emulated(emu, coresident=("q4_chain",)):
-            cuda_q4.chain(lins, x, desc, done)
+        with cuda_emu.emulated(emu, coresident=("q4_chain", "q4_chain_ring")):
+            cuda_q4.chain(lins, x, desc, done, ring=ring, ctas=ctas)
             prev = x
             for p, lin in enumerate(lins):
                 r = res[:rows] if p == 2 else None
