@@ -847,6 +847,41 @@ __device__ __forceinline__ void chain_x(const float* xr, bool v0, int kb, int c,
     p[h] = v0 ? __ldcg(reinterpret_cast<const float2*>(xr + kb + 2 * c + 8 * h)) : make_float2(0.f, 0.f);
 }
 
+// a warp's partial tile (the 16 columns of NT 2) into its rows of the shared partials
+__device__ __forceinline__ void chain_partials(const float acc[2][4], float* mine) {
+  const int lane = threadIdx.x & 31, c = lane & 3, g = lane >> 2;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int cc = 8 * i + 2 * c;
+    *reinterpret_cast<float2*>(mine + g * 16 + cc) = make_float2(acc[i][0], acc[i][1]);
+    *reinterpret_cast<float2*>(mine + (g + 8) * 16 + cc) = make_float2(acc[i][2], acc[i][3]);
+  }
+}
+
+// a chain tile's end (the whole CTA): q4_cta's merge of the S partials in split order into
+// phase d's y (+ res), then the tile counted in *count after the CTA's writes (release)
+__device__ __forceinline__ void chain_tile_end(const float* part, const long long* d, int M,
+                                               int n0, unsigned* count) {
+  constexpr int C = 16;
+  float* y = reinterpret_cast<float*>(d[2]);
+  const float* res = reinterpret_cast<const float*>(d[3]);
+  const int N = (int)d[4], S = (int)d[6];
+  __syncthreads();
+  for (int e = threadIdx.x; e < 16 * C; e += blockDim.x) {
+    const int r = e / C;
+    if (r >= M) continue;
+    float v = part[e];
+    for (int q = 1; q < S; ++q) v = v + part[q * 16 * C + e];  // split order 0..S-1
+    const long cc = n0 + e % C;
+    y[(long)r * N + cc] = res ? res[(long)r * N + cc] + v : v;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(count), "r"(1u) : "memory");
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(256, 2)
 q4_chain(const float* __restrict__ x0, const long long* __restrict__ desc, unsigned* done,
          int P, int M, int buf, int probe) {
@@ -901,30 +936,9 @@ q4_chain(const float* __restrict__ x0, const long long* __restrict__ desc, unsig
           if (b0 + j + 4 < nb) chain_x(xr, v0, k_lo + 32 * (b0 + j + 4), c, xp[j]);
         }
       }
-      float* mine = part + warp * 16 * C;
-#pragma unroll
-      for (int i = 0; i < NT; ++i) {
-        const int cc = 8 * i + 2 * c;
-        *reinterpret_cast<float2*>(mine + g * C + cc) = make_float2(acc[i][0], acc[i][1]);
-        *reinterpret_cast<float2*>(mine + (g + 8) * C + cc) = make_float2(acc[i][2], acc[i][3]);
-      }
+      chain_partials(acc, part + warp * 16 * C);
     }
-    __syncthreads();
-    float* y = reinterpret_cast<float*>(d[2]);
-    const float* res = reinterpret_cast<const float*>(d[3]);
-    for (int e = threadIdx.x; e < 16 * C; e += blockDim.x) {  // q4_cta's merge
-      const int r = e / C;
-      if (r >= M) continue;
-      float v = part[e];
-      for (int q = 1; q < S; ++q) v = v + part[q * 16 * C + e];  // split order 0..S-1
-      const long cc = n0 + e % C;
-      y[(long)r * N + cc] = res ? res[(long)r * N + cc] + v : v;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence();
-      asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(done + p), "r"(1u) : "memory");
-    }
+    chain_tile_end(part, d, M, n0, done + p);
   }
   asm volatile("cp.async.wait_group 0;" ::: "memory");
 }
@@ -959,8 +973,6 @@ q4_chain_ring(const float* __restrict__ x0, const long long* __restrict__ desc, 
     const long long* d = desc + 8 * p;
     const unsigned char* qs = reinterpret_cast<const unsigned char*>(d[0]);
     const unsigned* sm = reinterpret_cast<const unsigned*>(d[1]);
-    float* y = reinterpret_cast<float*>(d[2]);
-    const float* res = reinterpret_cast<const float*>(d[3]);
     const int N = (int)d[4], K = (int)d[5], S = (int)d[6];
     const L2F* x = reinterpret_cast<const L2F*>(p ? reinterpret_cast<const float*>(desc[8 * (p - 1) + 2]) : x0);
     const ChainWait wait{p ? done + p - 1 : nullptr, p ? (unsigned)((int)desc[8 * (p - 1) + 4] / C) : 0u, probe};
@@ -976,28 +988,9 @@ q4_chain_ring(const float* __restrict__ x0, const long long* __restrict__ desc, 
         for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
         ring_acc<false, NT, D, L2F, ChainWait>(acc, qs, sm, xr, xr, v0, false, N, k_lo, k_hi, n0,
                                                g, c, word, sel, wait);
-        float* mine = part + warp * 16 * C;
-#pragma unroll
-        for (int i = 0; i < NT; ++i) {
-          const int cc = 8 * i + 2 * c;
-          *reinterpret_cast<float2*>(mine + g * C + cc) = make_float2(acc[i][0], acc[i][1]);
-          *reinterpret_cast<float2*>(mine + (g + 8) * C + cc) = make_float2(acc[i][2], acc[i][3]);
-        }
+        chain_partials(acc, part + warp * 16 * C);
       }
-      __syncthreads();
-      for (int e = threadIdx.x; e < 16 * C; e += blockDim.x) {  // q4_cta's merge
-        const int r = e / C;
-        if (r >= M) continue;
-        float v = part[e];
-        for (int q = 1; q < S; ++q) v = v + part[q * 16 * C + e];  // split order 0..S-1
-        const long cc = n0 + e % C;
-        y[(long)r * N + cc] = res ? res[(long)r * N + cc] + v : v;
-      }
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        __threadfence();
-        asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(done + p), "r"(1u) : "memory");
-      }
+      chain_tile_end(part, d, M, n0, done + p);
     }
   }
 }
