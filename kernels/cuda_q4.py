@@ -1330,10 +1330,11 @@ def chain_desc(lins: list, outs: list, residuals: list | None = None) -> torch.T
         n, k, sp = lin.out_features, lin.in_features, lin.split
         blocks = -(-k // 64 // sp) * 2  # a split's 32-input blocks
         if n % CHAIN_COLS or k % 64 or LINEAR_TILE.bk != 64 or sp > CTA_SPLITS_256 or blocks % 4 \
-                or (p and k != lins[p - 1].out_features) or y.shape[1] != n or not y.is_contiguous():
+                or (p and k != lins[p - 1].out_features) or y.shape[1] != n or not y.is_contiguous() \
+                or (res is not None and (res.shape != y.shape or not res.is_contiguous())):
             raise ValueError(f"cuda_q4: chain phase {p}: N a multiple of {CHAIN_COLS}, K of 64 "
                              "and the previous N, at most 8 splits of whole 4-block rounds, "
-                             "contiguous outputs")
+                             "contiguous outputs and residuals of the output's shape")
         rows.append([lin.qs.data_ptr(), lin.sm.data_ptr(), y.data_ptr(),
                      res.data_ptr() if res is not None else 0, n, k, sp, 0])
     return torch.tensor(rows, dtype=torch.int64).to(lins[0].qs.device)

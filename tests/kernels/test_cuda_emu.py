@@ -256,3 +256,5 @@ def test_the_persistent_chain_gives_the_cta_forms_bits_on_the_emulator(emu, ring
         assert done.tolist() == [256 // 16, 128 // 16, 256 // 16]
     with pytest.raises(ValueError, match="chain phase 1"):  # K 256 after an N of 128
         cuda_q4.chain_desc([lins[1], lins[0]], [outs[1], outs[0]])
+    with pytest.raises(ValueError, match="chain phase 2"):  # a residual of another width
+        cuda_q4.chain_desc(lins, outs, [None, None, res[:rows, :128]])
