@@ -8,10 +8,9 @@ whole grid at once: a persistent kernel whose CTAs wait on each other's flags in
 memory, such a wait failing the launch at a deadline); `__syncthreads`, the cluster barrier
 and the warp's collectives (ldmatrix, mma.sync, shfl) are barriers; static `__shared__`
 variables live in the CTA's shared memory after the dynamic part. The result checks what a
-launch writes
-where, which rows and columns it reads, and its synchronisation's structure — not the GPU's
-bits or speed: mma.sync sums its 16 products in float64 here and in an order of the
-hardware's own on the GPU, and fp16 arithmetic rounds once as the PTX defines. So tests
+launch writes where, which rows and columns it reads, and its synchronisation's structure —
+not the GPU's bits or speed: mma.sync sums its 16 products in float64 here and in an order of
+the hardware's own on the GPU, and fp16 arithmetic rounds once as the PTX defines. So tests
 compare against float64 references within a tolerance, and two kernels against each other
 bit for bit (deterministic here: the same fragments in the same order give the same bits);
 tests/kernels/test_gpu.py judges the GPU's bits on the device.
@@ -254,9 +253,7 @@ inline void waiting() {
     throw std::runtime_error("a wait on a global flag outlived the launch's deadline");
 }
 template <typename A> inline unsigned ld_acquire(A a) { waiting(); return __atomic_load_n(gptr(a), __ATOMIC_ACQUIRE); }
-template <typename A> inline unsigned ld_relaxed(A a) { waiting(); return __atomic_load_n(gptr(a), __ATOMIC_RELAXED); }
 template <typename A> inline void red_release_add(A a, unsigned v) { __atomic_fetch_add(gptr(a), v, __ATOMIC_RELEASE); }
-template <typename A> inline void st_release(A a, unsigned v) { __atomic_store_n(gptr(a), v, __ATOMIC_RELEASE); }
 }  // namespace emu
 inline void __nanosleep(unsigned) { std::this_thread::yield(); }
 
@@ -332,7 +329,7 @@ extern "C" int emu_launch(Fn fn, unsigned gx, unsigned gy, unsigned gz, unsigned
   for (unsigned g = 0; g < groups; ++g)
     for (unsigned r = 0; r < per; ++r)
       for (unsigned t = 0; t < threads; ++t)
-      ts.emplace_back([&, g, r, t] {
+        ts.emplace_back([&, g, r, t] {
         State& st = sts[g];
         for (;;) {
           go.arrive_and_wait();
@@ -394,11 +391,7 @@ PTX = {
     "cp.async.commit_group": lambda o: ";",
     "cp.async.wait_group": lambda o: ";",
     "ld.acquire.gpu.global.u32": lambda o: f"{o[0]} = emu::ld_acquire({o[1]});",
-    "ld.relaxed.gpu.global.u32": lambda o: f"{o[0]} = emu::ld_relaxed({o[1]});",
     "red.release.gpu.global.add.u32": lambda o: f"emu::red_release_add({o[0]}, {o[1]});",
-    "st.release.gpu.global.u32": lambda o: f"emu::st_release({o[0]}, {o[1]});",
-    "fence.acq_rel.gpu": lambda o: "std::atomic_thread_fence(std::memory_order_acq_rel);",
-    "nanosleep.u32": lambda o: "std::this_thread::yield();",
     "trap": lambda o: 'throw std::runtime_error("trap")',
 }
 
@@ -540,8 +533,8 @@ def launch(lib: ctypes.CDLL, name: bytes | str, grid, threads: int, smem: int, c
            tensors, ints, coresident: bool = False, deadline_s: int = 120) -> None:
     """name<<<grid, threads, smem>>> over CPU tensors, clusters of `cluster` CTAs; coresident:
     every CTA at once (a persistent kernel's, whose CTAs wait on each other), else a cluster
-    at a time. A wait on a global flag (ld.acquire / ld.relaxed) past deadline_s seconds from
-    the launch's start fails it."""
+    at a time. A wait on a global flag (ld.acquire) past deadline_s seconds from the
+    launch's start fails it."""
     fn = ctypes.cast(getattr(lib, name.decode() if isinstance(name, bytes) else name), ctypes.c_void_p)
     ptrs = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
     iv = (ctypes.c_int * max(1, len(ints)))(*ints)
