@@ -921,18 +921,22 @@ q4_chain(const float* __restrict__ x0, const long long* __restrict__ desc, unsig
       float2 xp[4][4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) chain_x(xr, v0, k_lo + 32 * j, c, xp[j]);
+      // a block's words from shared memory one block ahead of its MMAs (two register slots)
+      unsigned w0[2][NT], w1[2][NT], s[2][NT];
+      auto words = [&](int b, int slot) {
+#pragma unroll
+        for (int i = 0; i < NT; ++i) {
+          w0[slot][i] = *reinterpret_cast<const unsigned*>(sq + b * 256 + (g + 8 * i) * 16 + word);
+          w1[slot][i] = *reinterpret_cast<const unsigned*>(sq + b * 256 + (g + 8 * i) * 16 + word + 8);
+          s[slot][i] = *reinterpret_cast<const unsigned*>(ss + b * 64 + (g + 8 * i) * 4);
+        }
+      };
+      words(kb0, 0);
       for (int b0 = 0; b0 < nb; b0 += 4) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const int b = kb0 + b0 + j;
-          unsigned w0[NT], w1[NT], s[NT];
-#pragma unroll
-          for (int i = 0; i < NT; ++i) {
-            w0[i] = *reinterpret_cast<const unsigned*>(sq + b * 256 + (g + 8 * i) * 16 + word);
-            w1[i] = *reinterpret_cast<const unsigned*>(sq + b * 256 + (g + 8 * i) * 16 + word + 8);
-            s[i] = *reinterpret_cast<const unsigned*>(ss + b * 64 + (g + 8 * i) * 4);
-          }
-          block_mma<false, NT>(acc, xp[j], sel, w0, w1, s);
+          if (b0 + j + 1 < nb) words(kb0 + b0 + j + 1, (j + 1) & 1);
+          block_mma<false, NT>(acc, xp[j], sel, w0[j & 1], w1[j & 1], s[j & 1]);
           if (b0 + j + 4 < nb) chain_x(xr, v0, k_lo + 32 * (b0 + j + 4), c, xp[j]);
         }
       }
