@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # The next session's first device call (kernels/GPU_NOTES.md, v26 "Next"), printing
 # as it goes; every step has its own timeout so a hang costs that step only. It re-checks the
-# kernel bits on whatever machine comes, times the persistent chain against the per-op launches
-# with its two probes (v26: 36% slower a phase; which part lost it), takes the defaults'
-# baseline at contexts 128 / 2,048 x
+# kernel bits on whatever machine comes, takes the defaults' baseline at contexts 128 / 2,048 x
 # 1 / 64, measures 64 streams x 144 new tokens from context 128 on the H200 (the issue's
 # no-thrash row: 5,999 tok/s in v21 with a 108 ms capture step; on the H100 in v22, with the
 # first table-width bucket at 32 blocks, no stall and 99.3% of the 64-token figure — the H200
@@ -32,10 +30,6 @@ stamp "bits: cuda_q4 (CTA form, PDL chain in a graph, direct experts), the MoE, 
 [ -n "${Q4_TESTS-}" ] && timeout 200 python -m pytest -q -n 0 tests/kernels/test_cuda_q4.py 2>&1 | tail -4
 timeout 150 python -m pytest -q -n 0 tests/kernels/test_gpu.py \
   -k "moe_at_real or paged_attention_at_real or norms_rope" 2>&1 | tail -3
-
-
-stamp "the persistent chain against the per-op launches, with its probes (GPU_NOTES v26; ~10 s)"
-timeout 120 python -m bench.chain_probe --phases 48 --rows 1,8 --json "$OUT/chain_probe.json" 2>&1 | grep -v Warning
 
 # the defaults (pdl) at the contexts and stream counts of the targets, then the other MODES
 KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=${TAIL:-7} T_ENGINE=${T_ENGINE:-150} ENGINE_MODES="pdl" \

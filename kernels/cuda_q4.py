@@ -119,11 +119,6 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
-// ring_acc's wait (after its first weight loads): pdl_wait, or q4_chain_ring's counters
-struct PdlWait {
-  __device__ __forceinline__ void operator()() const { pdl_wait(); }
-};
-
 __device__ __forceinline__ void mma(float d[4], const unsigned a[4], const unsigned b[2]) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
                "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
@@ -161,24 +156,6 @@ __device__ __forceinline__ void load_x(const __half* x0, const __half* x1, bool 
     for (int h = 0; h < 4; ++h)
       p[4 + h] = v1 ? __half22float2(__ldg(reinterpret_cast<const __half2*>(x1 + kb + 2 * c + 8 * h)))
                     : make_float2(0.f, 0.f);
-  }
-}
-
-// load_x for x written in the same launch (q4_chain_ring): the same pairs read from L2
-// (ld.global.cg) rather than through the read-only path (a distinct type selects it)
-struct L2F {
-  float v;
-};
-template <bool ROWS16>
-__device__ __forceinline__ void load_x(const L2F* x0, const L2F* x1, bool v0, bool v1, int kb,
-                                       int c, float2 p[ROWS16 ? 8 : 4]) {
-#pragma unroll
-  for (int h = 0; h < 4; ++h)
-    p[h] = v0 ? __ldcg(reinterpret_cast<const float2*>(x0 + kb + 2 * c + 8 * h)) : make_float2(0.f, 0.f);
-  if (ROWS16) {
-#pragma unroll
-    for (int h = 0; h < 4; ++h)
-      p[4 + h] = v1 ? __ldcg(reinterpret_cast<const float2*>(x1 + kb + 2 * c + 8 * h)) : make_float2(0.f, 0.f);
   }
 }
 
@@ -245,12 +222,11 @@ __device__ __forceinline__ void lane_bytes(int c, unsigned& sel, int& word) {
 // acc += the split [k_lo, k_hi) of the 8 NT columns from n0, its blocks through a ring of D
 // register slots: D blocks' loads (weights and x) in flight ahead of the MMAs, which take the
 // blocks in ascending order. nb % D == 0 (the host picks D); the last round only computes.
-template <bool ROWS16, int NT, int D, typename XT, typename Wait = PdlWait>
+template <bool ROWS16, int NT, int D, typename XT>
 __device__ __forceinline__ void ring_acc(float acc[NT][4], const unsigned char* __restrict__ qs,
                                          const unsigned* __restrict__ sm, const XT* x0,
                                          const XT* x1, bool v0, bool v1, int N, int k_lo,
-                                         int k_hi, int n0, int g, int c, int word, unsigned sel,
-                                         Wait wait = Wait()) {
+                                         int k_hi, int n0, int g, int c, int word, unsigned sel) {
   unsigned w0[D][NT], w1[D][NT], wsm[D][NT];
   float2 xp[D][ROWS16 ? 8 : 4];
   const int nb = (k_hi - k_lo) >> 5;
@@ -264,7 +240,7 @@ __device__ __forceinline__ void ring_acc(float acc[NT][4], const unsigned char* 
     load_block<NT>(wb, sb, w0[j], w1[j], wsm[j]);
     wb += wstep; sb += N;
   }
-  wait();
+  pdl_wait();
 #pragma unroll
   for (int j = 0; j < D; ++j) {  // their x: a kernel wrote it
     load_x<ROWS16>(xa, xb, v0, v1, 0, c, xp[j]);
@@ -797,207 +773,6 @@ Q4_ENTRY(8, 1, 0) Q4_ENTRY(8, 2, 0) Q4_ENTRY(8, 4, 0) Q4_ENTRY(16, 1, 0) Q4_ENTR
 extern "C" __global__ void q4_probe1(Q4_ARGS) { q4_split<false, 2, 0, 1>(Q4_PASS); }
 extern "C" __global__ void q4_probe2(Q4_ARGS) { q4_split<false, 2, 0, 2>(Q4_PASS); }
 extern "C" __global__ void q4_probe3(Q4_ARGS) { q4_split<false, 2, 0, 3>(Q4_PASS); }
-// ---- a persistent chain (an experiment: bench/chain_probe.py, `chain` below): P q4 linears
-// at 1-8 rows, y_p = x_p @ W_p.T (+ res_p) and x_{p+1} = y_p, in one launch. CTA b takes
-// column tile b (16 columns) of every phase that has one; its S_p warps run the CTA form's
-// splits from weights that cp.async streamed whole into shared memory one phase ahead (two
-// buffers), and the partials merge in split order as q4_cta's do: q4_cta's arithmetic in its
-// order, so its bits. Between phases a CTA waits until every tile of phase p - 1 is counted
-// in done[p - 1] (acquire loads, spinning) while phase p's weights are already landing; a
-// tile counts after its CTA's writes (release add). grid: the largest phase's tiles, every
-// CTA resident at once (the host checks); block 32 x max S; dynamic shared memory two
-// buffers of `buf` bytes (K / 32 blocks x 320 bytes) and the partials (S x 16 x 16 floats).
-// desc: P rows of 8 int64: qs, sm, y, res (0: none), N, K, S, 0.
-__device__ __forceinline__ void chain_issue(const long long* d, int tile, unsigned char* buf, int warp) {
-  const unsigned char* qs = reinterpret_cast<const unsigned char*>(d[0]);
-  const unsigned char* sm = reinterpret_cast<const unsigned char*>(d[1]);
-  const int N = (int)d[4], K = (int)d[5], S = (int)d[6];
-  if (warp >= S || tile * 16 >= N) return;
-  int k_lo, k_hi;
-  split_k(K, S, warp, k_lo, k_hi);
-  const int kb0 = k_lo >> 5, nb = (k_hi - k_lo) >> 5, n0 = tile * 16;
-  unsigned char* sq = buf;  // block b's 16 columns x 16 bytes at b x 256, then its pairs at
-  unsigned char* ss = buf + (K >> 5) * 256;  // (K / 32) x 256 + b x 64
-  for (int i = threadIdx.x & 31; i < nb * 20; i += 32) {
-    const int b = kb0 + i / 20, ch = i % 20;
-    if (ch < 16)
-      cp_async16(sq + b * 256 + ch * 16, qs + ((long)b * N + n0) * 16 + ch * 16);
-    else
-      cp_async16(ss + b * 64 + (ch - 16) * 16, sm + ((long)b * N + n0) * 4 + (ch - 16) * 16);
-  }
-}
-
-// until *f >= want; past ~2^24 polls (seconds: a CTA that never ran) a trap, not a hang.
-// probe (bench only): 1 polls without the sleep between, 2 does not wait (wrong values)
-__device__ __forceinline__ void chain_wait(const unsigned* f, unsigned want, int probe) {
-  if (probe == 2) return;
-  for (long spins = 0;; ++spins) {
-    unsigned seen;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(f) : "memory");
-    if (seen >= want) return;
-    if (spins > (1L << 24)) asm volatile("trap;");
-    if (probe != 1) __nanosleep(32);
-  }
-}
-
-// load_x's pairs for row r0 (valid v0) from L2 (ld.global.cg: x was written in this launch)
-__device__ __forceinline__ void chain_x(const float* xr, bool v0, int kb, int c, float2 p[4]) {
-#pragma unroll
-  for (int h = 0; h < 4; ++h)
-    p[h] = v0 ? __ldcg(reinterpret_cast<const float2*>(xr + kb + 2 * c + 8 * h)) : make_float2(0.f, 0.f);
-}
-
-// a warp's partial tile (the 16 columns of NT 2) into its rows of the shared partials
-__device__ __forceinline__ void chain_partials(const float acc[2][4], float* mine) {
-  const int lane = threadIdx.x & 31, c = lane & 3, g = lane >> 2;
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int cc = 8 * i + 2 * c;
-    *reinterpret_cast<float2*>(mine + g * 16 + cc) = make_float2(acc[i][0], acc[i][1]);
-    *reinterpret_cast<float2*>(mine + (g + 8) * 16 + cc) = make_float2(acc[i][2], acc[i][3]);
-  }
-}
-
-// a chain tile's end (the whole CTA): q4_cta's merge of the S partials in split order into
-// phase d's y (+ res), then the tile counted in *count after the CTA's writes (release)
-__device__ __forceinline__ void chain_tile_end(const float* part, const long long* d, int M,
-                                               int n0, unsigned* count) {
-  constexpr int C = 16;
-  float* y = reinterpret_cast<float*>(d[2]);
-  const float* res = reinterpret_cast<const float*>(d[3]);
-  const int N = (int)d[4], S = (int)d[6];
-  __syncthreads();
-  for (int e = threadIdx.x; e < 16 * C; e += blockDim.x) {
-    const int r = e / C;
-    if (r >= M) continue;
-    float v = part[e];
-    for (int q = 1; q < S; ++q) v = v + part[q * 16 * C + e];  // split order 0..S-1
-    const long cc = n0 + e % C;
-    y[(long)r * N + cc] = res ? res[(long)r * N + cc] + v : v;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(count), "r"(1u) : "memory");
-  }
-}
-
-extern "C" __global__ void __launch_bounds__(256, 2)
-q4_chain(const float* __restrict__ x0, const long long* __restrict__ desc, unsigned* done,
-         int P, int M, int buf, int probe) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  constexpr int NT = 2, C = 16;
-  const int tile = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int c = lane & 3, g = lane >> 2, n0 = tile * C;
-  float* part = reinterpret_cast<float*>(smem + 2 * buf);  // [S][16][C]
-  unsigned sel;
-  int word;
-  lane_bytes(c, sel, word);
-  chain_issue(desc, tile, smem, warp);  // (the weights: before the wait, as the ring's loads)
-  asm volatile("cp.async.commit_group;" ::: "memory");
-  pdl_wait();  // x0 and the zeroed counters: written by the kernels before
-  for (int p = 0; p < P; ++p) {
-    const long long* d = desc + 8 * p;
-    __syncthreads();  // every warp is past buffer (p + 1) & 1 (phase p - 1's) and the partials
-    if (p + 1 < P) chain_issue(d + 8, tile, smem + ((p + 1) & 1) * buf, warp);
-    asm volatile("cp.async.commit_group;" ::: "memory");
-    const int N = (int)d[4], K = (int)d[5], S = (int)d[6];
-    if (n0 >= N) continue;  // (the whole CTA alike)
-    const float* x = p ? reinterpret_cast<const float*>(desc[8 * (p - 1) + 2]) : x0;
-    if (p) chain_wait(done + p - 1, (unsigned)((int)desc[8 * (p - 1) + 4] / C), probe);
-    if (warp < S) {
-      asm volatile("cp.async.wait_group 1;" ::: "memory");  // this phase's group: landed
-      __syncwarp();
-      int k_lo, k_hi;
-      split_k(K, S, warp, k_lo, k_hi);
-      const unsigned char* sq = smem + (p & 1) * buf;
-      const unsigned char* ss = sq + (K >> 5) * 256;
-      const bool v0 = g < M;
-      const float* xr = x + (long)(v0 ? g : 0) * K;
-      const int kb0 = k_lo >> 5, nb = (k_hi - k_lo) >> 5;
-      float acc[NT][4];
-#pragma unroll
-      for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-      float2 xp[4][4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) chain_x(xr, v0, k_lo + 32 * j, c, xp[j]);
-      // a block's words from shared memory one block ahead of its MMAs (two register slots)
-      unsigned w0[2][NT], w1[2][NT], s[2][NT];
-      auto words = [&](int b, int slot) {
-#pragma unroll
-        for (int i = 0; i < NT; ++i) {
-          w0[slot][i] = *reinterpret_cast<const unsigned*>(sq + b * 256 + (g + 8 * i) * 16 + word);
-          w1[slot][i] = *reinterpret_cast<const unsigned*>(sq + b * 256 + (g + 8 * i) * 16 + word + 8);
-          s[slot][i] = *reinterpret_cast<const unsigned*>(ss + b * 64 + (g + 8 * i) * 4);
-        }
-      };
-      words(kb0, 0);
-      for (int b0 = 0; b0 < nb; b0 += 4) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          if (b0 + j + 1 < nb) words(kb0 + b0 + j + 1, (j + 1) & 1);
-          block_mma<false, NT>(acc, xp[j], sel, w0[j & 1], w1[j & 1], s[j & 1]);
-          if (b0 + j + 4 < nb) chain_x(xr, v0, k_lo + 32 * (b0 + j + 4), c, xp[j]);
-        }
-      }
-      chain_partials(acc, part + warp * 16 * C);
-    }
-    chain_tile_end(part, d, M, n0, done + p);
-  }
-  asm volatile("cp.async.wait_group 0;" ::: "memory");
-}
-
-// ring_acc's wait in q4_chain_ring: phase 0 waits on the kernels before (PDL), a later phase
-// until every tile of the one before is counted
-struct ChainWait {
-  const unsigned* f;
-  unsigned want;
-  int probe;
-  __device__ __forceinline__ void operator()() const {
-    if (f) chain_wait(f, want, probe); else pdl_wait();
-  }
-};
-
-// The chain with today's compute: a CTA takes tiles b, b + G, ... of each phase and runs each
-// as q4_cta does (its S warps' splits through the register ring, the first D blocks' weights
-// issued before the wait, the partials merged in split order), only the launch boundary
-// replaced by the counters. grid: G CTAs, all resident (the host checks); block 32 x max S;
-// dynamic shared memory max S x 16 x 16 floats. desc as q4_chain's.
-extern "C" __global__ void __launch_bounds__(256, 1)
-q4_chain_ring(const float* __restrict__ x0, const long long* __restrict__ desc, unsigned* done,
-              int P, int M, int probe) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  constexpr int NT = 2, C = 16, D = 4;
-  float* part = reinterpret_cast<float*>(smem);  // [S][16][C]
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c = lane & 3, g = lane >> 2;
-  unsigned sel;
-  int word;
-  lane_bytes(c, sel, word);
-  for (int p = 0; p < P; ++p) {
-    const long long* d = desc + 8 * p;
-    const unsigned char* qs = reinterpret_cast<const unsigned char*>(d[0]);
-    const unsigned* sm = reinterpret_cast<const unsigned*>(d[1]);
-    const int N = (int)d[4], K = (int)d[5], S = (int)d[6];
-    const L2F* x = reinterpret_cast<const L2F*>(p ? reinterpret_cast<const float*>(desc[8 * (p - 1) + 2]) : x0);
-    const ChainWait wait{p ? done + p - 1 : nullptr, p ? (unsigned)((int)desc[8 * (p - 1) + 4] / C) : 0u, probe};
-    for (int tile = blockIdx.x; tile * C < N; tile += gridDim.x) {
-      const int n0 = tile * C;
-      if (warp < S) {
-        int k_lo, k_hi;
-        split_k(K, S, warp, k_lo, k_hi);
-        const bool v0 = g < M;
-        const L2F* xr = x + (long)(v0 ? g : 0) * K;
-        float acc[NT][4];
-#pragma unroll
-        for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-        ring_acc<false, NT, D, L2F, ChainWait>(acc, qs, sm, xr, xr, v0, false, N, k_lo, k_hi, n0,
-                                               g, c, word, sel, wait);
-        chain_partials(acc, part + warp * 16 * C);
-      }
-      chain_tile_end(part, d, M, n0, done + p);
-    }
-  }
-}
 """
 # the swapped form's (MT, NG, W) instances
 SWAP_FORMS = tuple((mt, ng, w) for mt in (1, 2) for ng in (2, 4, 8) for w in (4, 8))
@@ -1099,7 +874,6 @@ EXTRA_ENTRIES = tuple(f"q4_split{rows}_{cols // 8}_d{d}".encode()
                       for rows in (8, 16) for cols in (8, 16, 32) for d in (0, 2, 4, 8)
                       if cols * d <= 128 and (d < 8 or rows == 8))
 EXTRA_ENTRIES += tuple(f"q4_swap{mt}_{ng}_w{w}".encode() for mt, ng, w in SWAP_FORMS) + PROBES
-EXTRA_ENTRIES += (b"q4_chain", b"q4_chain_ring")  # the persistent chains (`chain`), experiments
 STREAM = 0  # the depth that names the other form: the warp's split streamed into shared memory
 COLS = 16  # columns a warp by default (the fastest at 1-8 rows of qkv, GPU_NOTES v15)
 DEPTH = 8  # blocks a warp keeps in flight (register ring slots), or STREAM
@@ -1319,65 +1093,6 @@ def _cta_plan(lin: Q4Linear, rows: int, cols: int, depth: int, chosen: bool) -> 
     while blocks % depth or (depth == 8 and rows > 8):
         depth //= 2
     return wide, depth
-
-
-CHAIN_COLS = 16  # the persistent chain's column tile (q4_chain: NT 2)
-
-
-def chain_desc(lins: list, outs: list, residuals: list | None = None) -> torch.Tensor:
-    """q4_chain's phase table for `chain` (int64 [P, 8]: the weights', output's and residual's
-    addresses, N, K, the split count), on the weights' device; checks that the phases chain
-    (each K the previous N) and that the kernel takes each weight."""
-    rows = []
-    for p, (lin, y) in enumerate(zip(lins, outs)):
-        res = residuals[p] if residuals else None
-        n, k, sp = lin.out_features, lin.in_features, lin.split
-        blocks = -(-k // 64 // sp) * 2  # a split's 32-input blocks
-        if n % CHAIN_COLS or k % 64 or LINEAR_TILE.bk != 64 or sp > CTA_SPLITS_256 or blocks % 4 \
-                or (p and k != lins[p - 1].out_features) or y.shape[1] != n or not y.is_contiguous() \
-                or (res is not None and (res.shape != y.shape or not res.is_contiguous())):
-            raise ValueError(f"cuda_q4: chain phase {p}: N a multiple of {CHAIN_COLS}, K of 64 "
-                             "and the previous N, at most 8 splits of whole 4-block rounds, "
-                             "contiguous outputs and residuals of the output's shape")
-        rows.append([lin.qs.data_ptr(), lin.sm.data_ptr(), y.data_ptr(),
-                     res.data_ptr() if res is not None else 0, n, k, sp, 0])
-    return torch.tensor(rows, dtype=torch.int64).to(lins[0].qs.device)
-
-
-def chain(lins: list, x: torch.Tensor, desc: torch.Tensor, done: torch.Tensor,
-          probe: int = 0, ring: bool = False, ctas: int | None = None) -> None:
-    """The P linears of `desc` (chain_desc of lins and their outputs) at x's 1-8 rows in one
-    persistent launch: each output is cuda_q4.linear's, bit for bit, of the previous one (x
-    first). q4_chain: a CTA a column tile of every phase, the weights streamed into shared
-    memory a phase ahead; ring: q4_chain_ring, today's CTA form (register ring, its first
-    blocks' weights before the wait) on `ctas` CTAs (default: as many as the device holds at
-    once, at most the largest phase's tiles) taking tiles b, b + ctas, .... done: P int32
-    counters, zero at the launch (zero it first for a next one). Every CTA must be resident
-    at once: refused where the device cannot hold them. probe (bench only): 1 polls the
-    counters without sleeping, 2 skips the waits (wrong values: what the phases cost without
-    their ordering)."""
-    m, big_k = x.shape
-    if m > 8 or x.dtype != torch.float32 or not x.is_contiguous() or big_k != lins[0].in_features:
-        raise ValueError("cuda_q4: the chain takes 1-8 contiguous float32 rows of K0 inputs")
-    tiles = max(lin.out_features for lin in lins) // CHAIN_COLS
-    threads = 32 * max(lin.split for lin in lins)
-    buf = 0 if ring else max(lin.in_features for lin in lins) // 32 * 320
-    smem = 2 * buf + threads // 32 * 16 * CHAIN_COLS * 4
-    cuda, fns = _functions(x.device.index or 0)
-    fn = fns[b"q4_chain_ring" if ring else b"q4_chain"]
-    grid = min(ctas or tiles, tiles) if ring else tiles
-    if x.is_cuda:
-        per_sm = ctypes.c_int()
-        if smem > 48 * 1024 and cuda.cuFuncSetAttribute(fn, 8, smem):
-            raise ValueError(f"cuda_q4: the chain's {smem} bytes of shared memory")
-        cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(per_sm), fn, threads, smem)
-        held = per_sm.value * _sm_count(x.device.index or 0)
-        grid = min(grid, held) if ring and ctas is None else grid
-        if held < grid:
-            raise ValueError(f"cuda_q4: the chain's {grid} CTAs do not fit at once "
-                             f"({per_sm.value} an SM at {smem} bytes of shared memory)")
-    _launch(cuda, fn, (grid, 1, 1), threads, smem, (x, desc, done),
-            (len(lins), m, probe) if ring else (len(lins), m, buf, probe))
 
 
 def experts_fit(experts, x: torch.Tensor) -> bool:

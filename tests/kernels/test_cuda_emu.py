@@ -29,8 +29,10 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 def test_the_emulator_rewrites_each_ptx_instruction_and_refuses_others():
     code = cuda_emu.translate('__device__ void f(unsigned a, unsigned& b) {\n'
                               '  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(b) : "r"(a), "r"(a), "r"(a));\n'
-                              '  asm volatile("griddepcontrol.wait;" ::: "memory");\n}')
+                              '  asm volatile("griddepcontrol.wait;" ::: "memory");\n'
+                              '  asm volatile("trap;");\n}')
     assert "b = emu::prmt(a, a, a);" in code and "asm" not in code
+    assert 'throw std::runtime_error("trap");' in code
     with pytest.raises(ValueError, match="no emulation"):
         cuda_emu.translate('asm volatile("bar.sync 0;");')
 
@@ -218,43 +220,3 @@ def test_a_coresident_grid_whose_ctas_wait_on_each_other():
         cuda_emu.launch(lib, "suffix", (200, 1, 1), 32, 0, (1, 1, 1),
                         (x, out, total, torch.zeros(200, dtype=torch.int32)), (32,), coresident=True)
 
-
-@pytest.mark.parametrize("ring,ctas", [(False, None), (True, 3)])
-def test_the_persistent_chain_gives_the_cta_forms_bits_on_the_emulator(emu, ring, ctas):
-    """cuda_q4.chain (three linears in one co-resident launch, the phases ordered by counters;
-    q4_chain: a CTA a column tile of each phase, the weights streamed into shared memory a
-    phase ahead; q4_chain_ring: 3 CTAs taking every third tile through the CTA form's
-    register ring): at 1-3 rows each phase's output has the bits of cuda_q4.linear's CTA form
-    on the previous phase's (splits 2 / 2 / 1; the middle phase narrower, so CTAs sit it out
-    or take fewer tiles; the last adds a residual), within fp16 rounding of float64, and every
-    tile is counted once."""
-    from kernels import q4_layout
-    from kernels.linear import quantize_q4
-    g = torch.Generator().manual_seed(11)
-    shapes, splits = ((256, 256), (128, 256), (256, 128)), (2, 2, 1)
-    bases = [quantize_q4(torch.randn(n, k, generator=g)) for n, k in shapes]
-    lins = [q4_layout.repack(b, programs=s * -(-n // q4_layout.LINEAR_TILE.bn))
-            for b, (n, k), s in zip(bases, shapes, splits)]
-    assert [lin.split for lin in lins] == list(splits)
-    res = torch.randn(3, 256, generator=g)
-    for rows in (1, 3):
-        x = torch.randn(rows, 256, generator=g)
-        outs = [torch.full((rows, n), float("nan")) for n, _ in shapes]
-        done = torch.zeros(3, dtype=torch.int32)
-        desc = cuda_q4.chain_desc(lins, outs, [None, None, res[:rows]])
-        with cuda_emu.emulated(emu, coresident=("q4_chain", "q4_chain_ring")):
-            cuda_q4.chain(lins, x, desc, done, ring=ring, ctas=ctas)
-            prev = x
-            for p, lin in enumerate(lins):
-                r = res[:rows] if p == 2 else None
-                want = cuda_q4.linear(lin, prev, torch.full((rows, lin.out_features), float("nan")), r,
-                                      cta=True)
-                assert torch.equal(outs[p], want), (rows, p)
-                ref = bases[p].reference(prev) + (r.double() if r is not None else 0)
-                assert _rel(outs[p], ref) < 1e-3, (rows, p)
-                prev = want
-        assert done.tolist() == [256 // 16, 128 // 16, 256 // 16]
-    with pytest.raises(ValueError, match="chain phase 1"):  # K 256 after an N of 128
-        cuda_q4.chain_desc([lins[1], lins[0]], [outs[1], outs[0]])
-    with pytest.raises(ValueError, match="chain phase 2"):  # a residual of another width
-        cuda_q4.chain_desc(lins, outs, [None, None, res[:rows, :128]])
