@@ -110,3 +110,56 @@ def stamp_row(trace_ptr, row, point: tl.constexpr, TRACE: tl.constexpr):
         if point == 0:
             tl.store(at + 7, smid().to(tl.int64))
 
+
+
+# The next layer's attention weights (qkv and o: 11.8 MB a layer of the 30B-A3B) prefetched
+# into L2 while this layer's bandwidth-light kernels run, so that qkv and o, latency-bound at
+# one stream (v26: 5.9 and 5.2 µs for 2.2 and 1.7 µs of bytes at copy), read them from L2. A
+# kernel of its own on the PDL chain (one boundary, ~0.6 µs): it issues its prefetches, then
+# waits as every kernel does, so the stream order holds. Where the model places it: "attn"
+# (after qkv / RoPE / store), "o" (after o, before the MoE), "end" (after the MoE, before the
+# next layer's norm); None: no prefetch (the default until measured: GPU_NOTES v27).
+# Prefetches change no value: the bits are those without.
+L2_AHEAD: str | None = None
+LINE = 128  # bytes a prefetch covers
+_SEGMENTS = 4  # tensors one prefetch launch takes
+
+
+@triton.jit
+def _prefetch_kernel(t0, t1, t2, t3, c1, c2, c3, c4, log_ptr, LINES: tl.constexpr,
+                     LOG: tl.constexpr, PDL: tl.constexpr):
+    """Program p prefetches lines p * LINES ... of the tensors t0..t3 laid end to end (t_i's
+    lines are [c_i, c_{i+1}) of c4 in all, c0 = 0); LOG: store the addresses at log[line]
+    instead (the interpreter's check of the arithmetic). Then the PDL wait."""
+    line = tl.program_id(0).to(tl.int64) * LINES + tl.arange(0, LINES)
+    a = tl.where(line < c1, t0.to(tl.int64) + line * 128,
+                 tl.where(line < c2, t1.to(tl.int64) + (line - c1) * 128,
+                          tl.where(line < c3, t2.to(tl.int64) + (line - c2) * 128,
+                                   t3.to(tl.int64) + (line - c3) * 128)))
+    if LOG:
+        tl.store(log_ptr + line, a, mask=line < c4)
+    else:
+        prefetch_l2(a, line < c4)
+    pdl_wait(PDL)
+
+
+def prefetch(tensors: list[torch.Tensor], log: torch.Tensor | None = None) -> None:
+    """Prefetch the bytes of `tensors` (contiguous, on one CUDA device; at most 4) into L2 on
+    the stream's PDL chain. log (int64 [lines], the interpreter's tests): the kernel stores
+    each line's address there instead of prefetching."""
+    if not tensors or len(tensors) > _SEGMENTS:
+        raise ValueError(f"prefetch: 1 to {_SEGMENTS} tensors")
+    if any(not t.is_contiguous() or t.device != tensors[0].device for t in tensors):
+        raise ValueError("prefetch: contiguous tensors on one device")
+    ends, n = [], 0
+    for t in tensors:
+        n += triton.cdiv(t.numel() * t.element_size(), LINE)
+        ends.append(n)
+    ts = list(tensors) + [tensors[-1]] * (_SEGMENTS - len(tensors))
+    ends += [n] * (_SEGMENTS - len(tensors))
+    if log is not None and (log.dtype != torch.int64 or log.numel() < n):
+        raise ValueError(f"prefetch: log must be int64 with at least {n} entries")
+    lines = 1024
+    _prefetch_kernel[(triton.cdiv(n, lines),)](
+        *ts, *ends, log if log is not None else ts[0], LINES=lines, LOG=log is not None,
+        num_warps=4, **launch(ts[0]))
