@@ -50,8 +50,6 @@ def apply(mode: str) -> None:
     if 'tritonrouter' in mode:  # the router on the swapped Triton tile (v17's engine)
         from kernels import triton_linear
         triton_linear.CUDA_MIN_N = None
-    if re.search(r'l2(attn|o|end)\b', mode):  # the next layer's qkv / o prefetched into L2 at
-        triton_pdl.L2_AHEAD = re.search(r'l2(attn|o|end)\b', mode).group(1)  # that point
     if 'kvpf' in mode:  # paged attention prefetching its split's K / V into L2 before its
         from kernels import triton_attention  # wait: at every token count (nokvpf: none)
         triton_attention.PREFETCH_KV = None if 'nokvpf' in mode else 1 << 30

@@ -114,21 +114,6 @@ def qkv_rope_store(qkv, positions, cos, sin, q_norm, k_norm, eps, slots, k_cache
                                       k_cache, v_cache, num_heads)
 
 
-def prefetch_ahead(at: str, lins, like: torch.Tensor) -> None:
-    """CUDA, where kernels.triton_pdl.L2_AHEAD names `at` (the model's point in a layer):
-    prefetch the weights of `lins` (the next layer's) into L2. Changes no value; CPU: nothing."""
-    if not _triton(like):
-        return
-    from kernels import triton_pdl
-
-    if triton_pdl.L2_AHEAD != at:
-        return
-    tensors = [t for lin in lins for t in (getattr(lin, "qs", None), getattr(lin, "sm", None))
-               if t is not None]
-    if tensors:
-        triton_pdl.prefetch(tensors)
-
-
 def norm_moe(h: torch.Tensor, weight: torch.Tensor, eps: float, router, experts, top_k: int,
              norm_topk_prob: bool) -> torch.Tensor:
     """CUDA only: h [T, hidden] f32 → h + `moe` of RMSNorm(h) (rms_norm, then moe

@@ -119,9 +119,6 @@ class Transformer:
             cos = self.cos[b.positions][:, None, :]  # [T, 1, D]
             sin = self.sin[b.positions][:, None, :]
         for i, layer in enumerate(self.layers):
-            # the next layer's attention weights, prefetched into L2 at the point the CUDA
-            # kernels' L2_AHEAD names (kernels/triton_pdl.py; off by default)
-            ahead = (self.layers[i + 1].qkv, self.layers[i + 1].o) if i + 1 < len(self.layers) else ()
             # [T, (H + 2*KVH) * D]: the attention's norm, then qkv
             qkv = ops.norm_linear(layer.qkv, h, layer.attn_norm, cfg.rms_norm_eps)
             if self.fused:  # one kernel: q [T, H, D] out, K/V into the pool
@@ -137,10 +134,8 @@ class Transformer:
                     k = ops.rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
                 q, k = _rope(q, cos, sin), _rope(k, cos, sin)
                 kv.write(i, b.slots, k, v.contiguous())
-            ops.prefetch_ahead("attn", ahead, h)
             attn = self._attention(q, kv, i, b, pool)  # [T, H, D]
             h = ops.linear_residual(layer.o, attn.reshape(t, cfg.q_size), h)  # h + o(attn)
-            ops.prefetch_ahead("o", ahead, h)
             if layer.moe is not None:  # CUDA: the norm, router, grouped experts, combine + residual
                 h = ops.norm_moe(h, layer.mlp_norm, cfg.rms_norm_eps, layer.router, layer.moe,
                                  cfg.num_experts_per_tok, cfg.norm_topk_prob)
@@ -148,7 +143,6 @@ class Transformer:
                 x = ops.rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps)
                 h = self._moe(layer, x, h) if layer.router is not None else \
                     h + _mlp(layer.gate_up, layer.down, x)
-            ops.prefetch_ahead("end", ahead, h)
         hidden = None
         if b.hidden_rows is not None and b.hidden_rows.numel():
             hidden = ops.rms_norm(h[b.hidden_rows], self.final_norm, cfg.rms_norm_eps)

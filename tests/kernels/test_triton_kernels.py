@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 from kernels import cpu  # noqa: E402
 from kernels import (moe_layout, q4_layout, triton_attention, triton_f16, triton_linear,  # noqa: E402
-                     triton_moe, triton_moe_route, triton_norm, triton_pdl, triton_q4)
+                     triton_moe, triton_moe_route, triton_norm, triton_q4)
 from kernels.linear import Linear, quantize_q4, quantize_q8  # noqa: E402
 
 
@@ -239,24 +239,6 @@ def test_gpu_storage_is_exact_for_fp16_scales():
     for quant in (quantize_q4, quantize_q8):
         lin = quant(torch.randn(32, 64, generator=gen(2)))  # scales/mins fp16-representable
         assert torch.equal(triton_linear.to_gpu_format(lin).dequantize(), lin.dequantize())
-
-
-# ---- the L2 prefetch of the next layer's weights -------------------------------------------------
-def test_prefetch_covers_every_line_of_each_tensor_once():
-    """The addresses the prefetch kernel would prefetch (stored instead under LOG): each
-    tensor's 128-byte lines from its first byte, none past its last, across program edges."""
-    ts = [torch.zeros(3, 3000, 16, dtype=torch.uint8), torch.zeros(300, dtype=torch.float16),
-          torch.zeros(129, dtype=torch.uint8), torch.zeros(5, 2, dtype=torch.float16)]
-    for k in (1, 2, 4):
-        want = [t.data_ptr() + 128 * j for t in ts[:k]
-                for j in range(-(-t.numel() * t.element_size() // 128))]
-        log = torch.full((len(want) + 5,), -1, dtype=torch.int64)
-        triton_pdl.prefetch(ts[:k], log=log)
-        assert log[:len(want)].tolist() == want and (log[len(want):] == -1).all()
-    with pytest.raises(ValueError):
-        triton_pdl.prefetch(ts + ts[:1])
-    with pytest.raises(ValueError):
-        triton_pdl.prefetch([torch.zeros(4, 4)[:, 0]])
 
 
 # ---- norms ----------------------------------------------------------------------------------------
