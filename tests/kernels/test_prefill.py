@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import prefill
 from kernels.prefill import prefill_attention, prefill_attention_batch, prefill_reference
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
