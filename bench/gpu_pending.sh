@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The next session's first device call (kernels/GPU_NOTES.md, v26 "Next"), printing
+# The next session's first device call (kernels/GPU_NOTES.md, v27 "Next"), printing
 # as it goes; every step has its own timeout so a hang costs that step only. It re-checks the
 # kernel bits on whatever machine comes, takes the defaults' baseline at contexts 128 / 2,048 x
 # 1 / 64, measures 64 streams x 144 new tokens from context 128 on the H200 (the issue's
 # no-thrash row: 5,999 tok/s in v21 with a 108 ms capture step; on the H100 in v22, with the
 # first table-width bucket at 32 blocks, no stall and 99.3% of the 64-token figure — the H200
-# reading is still owed), then o at 16 columns a warp (`nofillcols`: v25's; 8, the default
-# since v26, gives 256 CTAs, 2 an SM, where 16 give 128) and v21's split counts (`mp256`, the
-# H200 only) beside the defaults, with the engine's bitwise sets under a mode that beats
-# them (the judge before it may become a default), then the
+# reading is still owed), then v21's split counts (`mp256`, the H200 only; `nofillcols`, o at
+# 16 columns a warp, was read beside the defaults on the H100 in v25-v27) beside the
+# defaults, with the engine's bitwise sets under a mode that beats them (the judge before it
+# may become a default), then the
 # ablations of v22 at context 128 x 1 / 64 (what a kernel family costs on the one-token chain:
 # the attention, the top-k, the experts, the whole MoE, the norms; timing only), Nsight Compute
 # over the one-token kernels, the kernel profile at 1 and 64 streams and the paged attention's
@@ -45,7 +45,7 @@ fi
 # (mp256, v21's split of qkv in 2, on the H200 only: v22 moved the default to 4 on the H100)
 H200_MODES=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo pdl_mp256)
 KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=${TAIL:-7} T_ENGINE=${T_ENGINE:-150} \
-  ENGINE_MODES="${MODES=$H200_MODES pdl_nofillcols}" CONTEXT=${BASE_CONTEXT:-128,2048} STREAMS=${BASE_STREAMS:-1,64} TAG=_base \
+  ENGINE_MODES="${MODES=$H200_MODES}" CONTEXT=${BASE_CONTEXT:-128,2048} STREAMS=${BASE_STREAMS:-1,64} TAG=_base \
   bash bench/gpu_ab.sh 2>&1 | grep -v "^context\|^KV pool\|^NVIDIA\|^torch"
 # the fastest mode at 128 x 1, if 1.5% faster than the defaults there (and not 1% slower at
 # 128 x 64), gets the engine's bitwise sets next (the judge before it may become a default;
