@@ -50,6 +50,9 @@ def apply(mode: str) -> None:
     if 'tritonrouter' in mode:  # the router on the swapped Triton tile (v17's engine)
         from kernels import triton_linear
         triton_linear.CUDA_MIN_N = None
+    if re.search(r'attnprobe[0-9]', mode):  # the attention with parts of its key loop left
+        from kernels import triton_attention  # out (PROBE; wrong values but 4: timing only)
+        triton_attention.PROBE = int(re.search(r'attnprobe([0-9])', mode).group(1))
     if 'kvpf' in mode:  # paged attention prefetching its split's K / V into L2 before its
         from kernels import triton_attention  # wait: at every token count (nokvpf: none)
         triton_attention.PREFETCH_KV = None if 'nokvpf' in mode else 1 << 30

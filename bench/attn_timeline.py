@@ -11,12 +11,16 @@ program end to the attention's first program past its wait, and from the attenti
 to o's first program past its wait. Writes JSON. Not a test.
 
     python -m bench.attn_timeline [--contexts 128,2048,8192] [--tokens 1,8,64] [--layers 8]
-        [--no-pdl] [--json out.json]
+        [--no-pdl] [--probes 0,1,2,3,4] [--json out.json]
+
+--probes: the kernel again with parts of its key loop left out (`triton_attention.PROBE`,
+wrong values except 4): 1 no dots, 2 no PV dot, 3 one MMA a dot, 4 no block-table load.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -94,6 +98,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,8,64")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--no-pdl", action="store_true")
+    ap.add_argument("--probes", default="0", help="triton_attention.PROBE values, in turn")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.no_pdl:
@@ -104,22 +109,26 @@ def main() -> None:
           "µs, median/max over programs (setup..store: programs with keys); gap in: q's last "
           "end to the first program past its wait; gap out: the last end to o's first past "
           "its wait")
-    print(f"{'ctx':>6} {'T':>3} {'progs':>5} {'span':>6} {'gap in':>6} {'gap out':>7} "
+    print(f"{'probe':>5} {'ctx':>6} {'T':>3} {'progs':>5} {'span':>6} {'gap in':>6} {'gap out':>7} "
           + " ".join(f"{c:>15}" for c in PHASES), flush=True)
     rows = []
-    for ctx in (int(v) for v in args.contexts.split(",")):
-        for tokens in (int(v) for v in args.tokens.split(",")):
-            try:
-                got = run(ctx, tokens, args.layers, g)
-            except torch.cuda.OutOfMemoryError as e:  # one size must not cost the rest
-                print(f"{ctx:>6} {tokens:>3} out of memory: {e}", flush=True)
-                continue
-            for r in got:
-                print(f"{ctx:>6} {tokens:>3} {r['programs']:>5} {r['span_us']:6.2f} "
-                      f"{r['gap_in_us']:6.2f} {r['gap_out_us']:7.2f} "
-                      + " ".join(f"{r[c][0]:7.2f}/{r[c][1]:7.2f}" for c in PHASES), flush=True)
-            rows += got
-            torch.cuda.empty_cache()
+    for probe, ctx, tokens in itertools.product((int(v) for v in args.probes.split(",")),
+                                                (int(v) for v in args.contexts.split(",")),
+                                                [int(v) for v in args.tokens.split(",")]):
+        triton_attention.PROBE = probe
+        try:
+            got = run(ctx, tokens, args.layers, g)
+        except torch.cuda.OutOfMemoryError as e:  # one size must not cost the rest
+            print(f"{probe:>5} {ctx:>6} {tokens:>3} out of memory: {e}", flush=True)
+            continue
+        for r in got:
+            r["probe"] = probe
+            print(f"{probe:>5} {ctx:>6} {tokens:>3} {r['programs']:>5} {r['span_us']:6.2f} "
+                  f"{r['gap_in_us']:6.2f} {r['gap_out_us']:7.2f} "
+                  + " ".join(f"{r[c][0]:7.2f}/{r[c][1]:7.2f}" for c in PHASES), flush=True)
+        rows += got
+        torch.cuda.empty_cache()
+    triton_attention.PROBE = 0
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

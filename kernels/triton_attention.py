@@ -56,15 +56,24 @@ HEAD_SPLIT_PROGRAMS: int | None = None
 # many programs contend with their loads). None: off (bench/ab_modes.py `nokvpf`; `kvpf`: on
 # at every token count)
 PREFETCH_KV: int | None = 1
+# bench only (bench/attn_timeline.py --probe): what the key loop's parts cost, by leaving
+# parts out — wrong values except 4. 1: the K / V loads and the softmax, no dots; 2: the QK
+# dot, no PV dot; 3: each dot one bf16 MMA (q and p's high parts only); 4: the keys' blocks
+# taken as row * table stride + position // block size, no block-table load (right where the
+# table is that identity, as attn_timeline's). 0: the kernel.
+PROBE = 0
 
 
 @triton.jit
 def _kv_tile(k_ptr, v_ptr, bt_ptr, row, stride_bt, start, hi, kvh, KVH: tl.constexpr,
-             D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr):
+             D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, PROBE: tl.constexpr = 0):
     """K and V [BLOCK_N, D] of positions start.. (masked at hi), through the block table."""
     pos = start + tl.arange(0, BLOCK_N)
     valid = pos < hi
-    blk = tl.load(bt_ptr + row * stride_bt + pos // BS, mask=valid, other=0).to(tl.int64)
+    if PROBE == 4:  # bench only: the identity table, not read
+        blk = row * stride_bt + pos // BS
+    else:
+        blk = tl.load(bt_ptr + row * stride_bt + pos // BS, mask=valid, other=0).to(tl.int64)
     off = ((blk * BS + pos % BS) * KVH + kvh)[:, None] * D + tl.arange(0, D)[None, :]
     k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0)
     v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0)
@@ -89,13 +98,15 @@ def _prefetch_kv(k_ptr, v_ptr, bt_ptr, row_ptr, ctx_ptr, t, kvh, sp, stride_bt,
 
 
 @triton.jit
-def _dot_f32(a, b, PREC: tl.constexpr, MMA: tl.constexpr):
+def _dot_f32(a, b, PREC: tl.constexpr, MMA: tl.constexpr, PROBE: tl.constexpr = 0):
     """a @ b in fp32 with a float32. b float32: tf32x3 (PREC); b bfloat16 (exact in bf16): a
     as bf16 high part + bf16 remainder, two bf16 MMAs (MMA; the interpreter's bf16 dot is
     broken, so there the split parts meet b upcast in an fp32 dot: the same products)."""
     if b.dtype == tl.bfloat16:
         a_hi = a.to(tl.bfloat16)
         a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
+        if MMA and PROBE == 3:  # bench only: the high part alone
+            return tl.dot(a_hi, b)
         if MMA:
             return tl.dot(a_lo, b, tl.dot(a_hi, b))
         else:
@@ -114,7 +125,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, row_ptr, ctx_ptr, out_ptr, p
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, SPLIT: tl.constexpr,
                        BLOCK_N: tl.constexpr, PREC: tl.constexpr, MMA: tl.constexpr,
                        PDL: tl.constexpr, HS: tl.constexpr = 1, LINES: tl.constexpr = 0,
-                       TRACE: tl.constexpr = False):
+                       TRACE: tl.constexpr = False, PROBE: tl.constexpr = 0):
     """Program (token, kv head x HS, split): the split's keys for GROUP // HS query heads of
     the kv head (HS > 1: its heads dealt over HS programs; the same bits a head). LINES > 0
     (PDL only): the split's K / V rows prefetched into L2 before the wait. TRACE: time stamps
@@ -154,14 +165,20 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, row_ptr, ctx_ptr, out_ptr, p
     stamp(trace_ptr, 3, TRACE)
     for start in range(lo, hi, BLOCK_N):  # pipelined: later tiles' loads are in flight
         k, v, valid = _kv_tile(k_ptr, v_ptr, bt_ptr, row, stride_bt, start, hi, kvh, KVH, D, BS,
-                               BLOCK_N)
-        s = _dot_f32(q, tl.trans(k), PREC, MMA)  # [GROUP_PAD, BLOCK_N]
+                               BLOCK_N, PROBE)
+        if PROBE == 1:  # bench only: no QK dot
+            s = tl.zeros((GROUP_PAD, BLOCK_N), tl.float32) + tl.sum(k.to(tl.float32), axis=1)[None, :]
+        else:
+            s = _dot_f32(q, tl.trans(k), PREC, MMA, PROBE)  # [GROUP_PAD, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot_f32(p, v, PREC, MMA)
+        if PROBE == 1 or PROBE == 2:  # bench only: no PV dot
+            acc = acc * alpha[:, None] + tl.sum(p, axis=1)[:, None] * tl.sum(v.to(tl.float32), axis=0)[None, :]
+        else:
+            acc = acc * alpha[:, None] + _dot_f32(p, v, PREC, MMA, PROBE)
         m_i = m_new
     stamp(trace_ptr, 4, TRACE)
     if n_splits == 1:
@@ -261,7 +278,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out if trace is None else trace, block_tables.stride(0), max_splits, scale, H=h, KVH=kvh,
         D=d, BS=bs, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), SPLIT=split, BLOCK_N=block_n,
-        PREC=PRECISION, MMA=q.device.type == "cuda", HS=hs, TRACE=trace is not None,
+        PREC=PRECISION, MMA=q.device.type == "cuda", HS=hs, TRACE=trace is not None, PROBE=PROBE,
         LINES=max(1, d * k_cache.element_size() // 128) if PREFETCH_KV and t <= PREFETCH_KV else 0,
         num_warps=WARPS, num_stages=STAGES, **triton_pdl.launch(q))
     if max_splits > 1:

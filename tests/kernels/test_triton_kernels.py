@@ -335,6 +335,26 @@ def test_paged_attention_matches_float64_with_splits_and_padding(kv_dtype):
     assert torch.equal(out[4], torch.zeros(4, 16))  # padding token (ctx 0): defined zeros
 
 
+def test_the_attention_probes_run_and_the_table_free_one_keeps_the_bits(monkeypatch):
+    """triton_attention.PROBE (bench only, bench/attn_timeline.py): every probe runs; 4 (the
+    blocks computed, not read) gives the kernel's bits where the table is the identity, and a
+    probe that drops a dot gives other values (so the probes do leave their part out)."""
+    g = gen(26)
+    kc, vc, _ = _paged_setup(g, dtype=torch.bfloat16)
+    tables = torch.arange(48, dtype=torch.int32).view(3, 16)
+    tok_row = torch.tensor([0, 1, 2], dtype=torch.int32)
+    ctx = torch.tensor([64, 33, 7], dtype=torch.int32)
+    q = torch.randn(3, 4, 16, generator=g)
+    out = {}
+    for probe in (0, 1, 2, 3, 4):
+        monkeypatch.setattr(triton_attention, "PROBE", probe)
+        out[probe] = triton_attention.paged_attention(q, kc, vc, tables, tok_row, ctx, 0.3,
+                                                      nan(3, 4, 16), split=64)
+        assert torch.isfinite(out[probe]).all(), probe
+    assert torch.equal(out[4], out[0])
+    assert not torch.allclose(out[1], out[0]) and not torch.allclose(out[2], out[0])
+
+
 def test_paged_attention_token_is_bitwise_independent_of_batch_and_table_width():
     g = gen(6)
     kc, vc, tables = _paged_setup(g)
