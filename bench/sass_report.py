@@ -84,7 +84,7 @@ def compile_attention(arch: int = 90):
 
     consts = dict(H=32, KVH=4, D=128, BS=16, GROUP=8, GROUP_PAD=16, SPLIT=ta.SPLIT,
                   BLOCK_N=ta.BLOCK_N_BF16, PREC=ta.PRECISION, MMA=True, PDL=True, HS=1,
-                  LINES=0)  # (as launched above PREFETCH_KV tokens)
+                  LINES=0, TRACE=False, PROBE=0)  # (as launched above PREFETCH_KV tokens)
     ptrs = {"k_ptr": "*bf16", "v_ptr": "*bf16", "bt_ptr": "*i32", "row_ptr": "*i32", "ctx_ptr": "*i32"}
     div16 = {"q_ptr", "k_ptr", "v_ptr", "bt_ptr", "out_ptr", "pacc_ptr", "pml_ptr", "stride_bt"}
     return _compile(ta._attn_split_kernel, consts, ptrs, {"scale": "fp32"}, div16, arch,

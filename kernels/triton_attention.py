@@ -105,9 +105,9 @@ def _dot_f32(a, b, PREC: tl.constexpr, MMA: tl.constexpr, PROBE: tl.constexpr = 
     if b.dtype == tl.bfloat16:
         a_hi = a.to(tl.bfloat16)
         a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
-        if MMA and PROBE == 3:  # bench only: the high part alone
-            return tl.dot(a_hi, b)
         if MMA:
+            if PROBE == 3:  # bench only: the high part alone
+                return tl.dot(a_hi, b)
             return tl.dot(a_lo, b, tl.dot(a_hi, b))
         else:
             bf = b.to(tl.float32)
