@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Nsight Compute on bench/ncu_probe.py: per kernel duration, grid, registers, occupancy, issue
 # activity, DRAM and SM throughput and the top stall reasons. Usage (GPU machine): OUT=dir bash bench/ncu_probe.sh
+# (NCU_TARGET: another python target, e.g. "-m bench.attn_timeline --contexts 128 --tokens 1
+# --layers 2" with NCU_KERNELS=_attn_split; NCU_ARGS: more ncu options, e.g. "-c 8" to profile
+# only the first 8 matching launches; the second half of the profiled launches is printed)
 set -u
 export OUT=${OUT:-/tmp/fedserve-ncu}
 mkdir -p "$OUT"
@@ -10,7 +13,7 @@ M="gpu__time_duration.sum,launch__grid_size,launch__block_size,launch__registers
 for r in $R; do M="$M,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio"; done
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 echo "ncu: $NCU"
-timeout "${T_NCU:-400}" "$NCU" --clock-control none -k regex:"${NCU_KERNELS:-q4|moe|expert}" --csv --metrics "$M" python -m bench.ncu_probe ${PROBE_ARGS-} > $OUT/ncu.csv 2> $OUT/ncu.err
+timeout "${T_NCU:-400}" "$NCU" --clock-control none -k regex:"${NCU_KERNELS:-q4|moe|expert}" --csv ${NCU_ARGS-} --metrics "$M" python ${NCU_TARGET:--m bench.ncu_probe ${PROBE_ARGS-}} > $OUT/ncu.csv 2> $OUT/ncu.err
 echo rc $?; tail -3 $OUT/ncu.err; wc -l $OUT/ncu.csv
 python - <<'PY'
 import csv, os, collections
