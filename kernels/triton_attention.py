@@ -56,6 +56,11 @@ HEAD_SPLIT_PROGRAMS: int | None = None
 # many programs contend with their loads). None: off (bench/ab_modes.py `nokvpf`; `kvpf`: on
 # at every token count)
 PREFETCH_KV: int | None = 1
+# the split programs as the CUDA kernel kernels/cuda_q4.py `attention` (ATTENTION: keys in
+# 16-key chunks over 4 warps, both products transposed so the heads are the MMAs' n) where it
+# fits (bf16 pool, head_dim 128, <= 8 query heads a kv head): other bits, the same at every
+# batch. Off until measured (bench/ab_modes.py `cudaattn`).
+CUDA_ATTENTION = False
 # bench only (bench/attn_timeline.py --probe): what the key loop's parts cost, by leaving
 # parts out — wrong values except 4. 1: the K / V loads and the softmax, no dots; 2: the QK
 # dot, no PV dot; 3: each dot one bf16 MMA (q and p's high parts only); 4: the keys' blocks
@@ -216,6 +221,13 @@ def _attn_merge_kernel(ctx_ptr, out_ptr, pacc_ptr, pml_ptr, max_splits,
     tl.store(out_ptr + (t * H + h) * D + d, acc / l_sum)
 
 
+def _cuda_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    if not q.is_cuda:
+        return False
+    from kernels import cuda_q4
+    return cuda_q4.attention_fits(q, k_cache)
+
+
 def head_splits(programs: int, group: int) -> int:
     """HS for a launch of `programs` (token, kv head, split) programs: doubled while the launch
     has fewer than HEAD_SPLIT_PROGRAMS programs and HS still divides the group; 1 when off."""
@@ -273,14 +285,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     hs = head_splits(t * kvh * max_splits, group) if head_split is None else head_split
     if group % hs:
         raise ValueError(f"head_split {hs} must divide the {group} query heads a kv head")
-    _attn_split_kernel[(t, kvh * hs, max_splits)](
-        q, k_cache, v_cache, block_tables, tok_row, ctx_lens, out, pacc, pml,
-        out if trace is None else trace, block_tables.stride(0), max_splits, scale, H=h, KVH=kvh,
-        D=d, BS=bs, GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)), SPLIT=split, BLOCK_N=block_n,
-        PREC=PRECISION, MMA=q.device.type == "cuda", HS=hs, TRACE=trace is not None, PROBE=PROBE,
-        LINES=max(1, d * k_cache.element_size() // 128) if PREFETCH_KV and t <= PREFETCH_KV else 0,
-        num_warps=WARPS, num_stages=STAGES, **triton_pdl.launch(q))
+    prefetch = bool(PREFETCH_KV and t <= PREFETCH_KV)
+    if CUDA_ATTENTION and trace is None and head_split is None and PROBE == 0 and _cuda_fits(q, k_cache):
+        from kernels import cuda_q4
+        cuda_q4.attention(q, k_cache, v_cache, block_tables, tok_row, ctx_lens, scale, out, pacc,
+                          pml, max_splits, split, prefetch)
+    else:
+        _attn_split_kernel[(t, kvh * hs, max_splits)](
+            q, k_cache, v_cache, block_tables, tok_row, ctx_lens, out, pacc, pml,
+            out if trace is None else trace, block_tables.stride(0), max_splits, scale, H=h, KVH=kvh,
+            D=d, BS=bs, GROUP=group,
+            GROUP_PAD=max(16, triton.next_power_of_2(group)), SPLIT=split, BLOCK_N=block_n,
+            PREC=PRECISION, MMA=q.device.type == "cuda", HS=hs, TRACE=trace is not None, PROBE=PROBE,
+            LINES=max(1, d * k_cache.element_size() // 128) if prefetch else 0,
+            num_warps=WARPS, num_stages=STAGES, **triton_pdl.launch(q))
     if max_splits > 1:
         _attn_merge_kernel[(t, h)](ctx_lens, out, pacc, pml, max_splits, H=h, D=d, SPLIT=split,
                                    **triton_pdl.launch(q))

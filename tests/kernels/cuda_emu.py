@@ -65,6 +65,9 @@ struct dim3 { unsigned x = 0, y = 0, z = 0; };
 struct alignas(8) float2 { float x, y; };
 struct alignas(16) float4 { float x, y, z, w; };
 struct alignas(8) uint2 { unsigned x, y; };
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+inline float __expf(float x) { return std::exp2(x * 1.44269504f); }
 inline float2 make_float2(float a, float b) { return {a, b}; }
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
@@ -205,6 +208,43 @@ inline void mma(float& d0, float& d1, float& d2, float& d3, unsigned a0, unsigne
   };
   d0 = dot(g, 2 * c, d0); d1 = dot(g, 2 * c + 1, d1); d2 = dot(g + 8, 2 * c, d2); d3 = dot(g + 8, 2 * c + 1, d3);
 }
+
+// the same for bf16 operands (a bf16 is the high half of a float) and a C apart from D
+inline float bf2f(unsigned bits16) { return __uint_as_float(bits16 << 16); }
+inline void mma_bf16(float& d0, float& d1, float& d2, float& d3, unsigned a0, unsigned a1,
+                     unsigned a2, unsigned a3, unsigned b0, unsigned b1, float c0, float c1,
+                     float c2, float c3) {
+  Warp& w = warp();
+  const unsigned l = lane();
+  uint64_t* s = w.slot[l];
+  s[0] = a0; s[1] = a1; s[2] = a2; s[3] = a3; s[4] = b0; s[5] = b1;
+  w.bar.arrive_and_wait();
+  float A[16][16], B[16][8];
+  for (unsigned q = 0; q < 32; ++q) {
+    const unsigned g = q / 4, c = q % 4;
+    const uint64_t* t = w.slot[q];
+    auto put = [&](int r, int k, unsigned v) { A[r][k] = bf2f(v & 0xFFFFu); A[r][k + 1] = bf2f(v >> 16); };
+    put(g, 2 * c, t[0]); put(g + 8, 2 * c, t[1]); put(g, 2 * c + 8, t[2]); put(g + 8, 2 * c + 8, t[3]);
+    const unsigned p = (unsigned)t[4], r2 = (unsigned)t[5];
+    B[2 * c][g] = bf2f(p & 0xFFFFu); B[2 * c + 1][g] = bf2f(p >> 16);
+    B[2 * c + 8][g] = bf2f(r2 & 0xFFFFu); B[2 * c + 9][g] = bf2f(r2 >> 16);
+  }
+  w.bar.arrive_and_wait();
+  const unsigned g = l / 4, c = l % 4;
+  auto dot = [&](int r, int n, float acc) {
+    double s2 = 0;
+    for (int k = 0; k < 16; ++k) s2 += (double)A[r][k] * B[k][n];
+    return (float)(s2 + acc);
+  };
+  d0 = dot(g, 2 * c, c0); d1 = dot(g, 2 * c + 1, c1); d2 = dot(g + 8, 2 * c, c2); d3 = dot(g + 8, 2 * c + 1, c3);
+}
+// cvt.rn.bf16x2.f32 d, a, b: a to the high half, b to the low, rounded to nearest even
+inline unsigned f2bf(float f) {
+  unsigned u = (unsigned)__float_as_int(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (u >> 16) | 0x40u;  // NaN stays NaN
+  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+inline unsigned cvt_bf16x2(float a, float b) { return f2bf(a) << 16 | f2bf(b); }
 
 // ldmatrix.x4: lanes 8i..8i+7 give matrix i's row addresses; lane l gets row l/4, halves 2(l%4)..
 inline void ldmatrix_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, unsigned addr) {
@@ -378,6 +418,10 @@ PTX = {
     "fma.rn.f16x2": lambda o: f"{o[0]} = emu::fma_f16x2({o[1]}, {o[2]}, {o[3]});",
     "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32":
         lambda o: f"emu::mma({', '.join(o[0])}, {', '.join(o[1])}, {', '.join(o[2])});",
+    "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32":
+        lambda o: f"emu::mma_bf16({', '.join(o[0])}, {', '.join(o[1])}, {', '.join(o[2])}, {', '.join(o[3])});",
+    "cvt.rn.bf16x2.f32": lambda o: f"{o[0]} = emu::cvt_bf16x2({o[1]}, {o[2]});",
+    "prefetch.global.L2": lambda o: ";",
     "ldmatrix.sync.aligned.m8n8.x4.shared.b16": lambda o: f"emu::ldmatrix_x4({', '.join(o[0])}, {o[1]});",
     "mapa.shared::cluster.u32": lambda o: f"{o[0]} = emu::mapa({o[1]}, {o[2]});",
     "ld.shared::cluster.v4.f32": lambda o: f"emu::ld_cluster_v4({', '.join(o[0])}, {o[1]});",
@@ -489,7 +533,7 @@ def translate(source: str) -> str:
     return "".join(out)
 
 
-def _caller(max_ptrs: int = 8, max_ints: int = 16) -> str:
+def _caller(max_ptrs: int = 10, max_ints: int = 16) -> str:
     """call(): fn with np pointers then ni ints (every entry's parameters are so ordered; all
     are INTEGER-class arguments, passed alike whatever their pointee)."""
     cases = []

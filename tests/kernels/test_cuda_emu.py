@@ -220,3 +220,65 @@ def test_a_coresident_grid_whose_ctas_wait_on_each_other():
         cuda_emu.launch(lib, "suffix", (200, 1, 1), 32, 0, (1, 1, 1),
                         (x, out, total, torch.zeros(200, dtype=torch.int32)), (32,), coresident=True)
 
+
+
+def _merged(out, pacc, pml, ctx, split):
+    """The attention's merge kernel in torch: each token's split partials in split order."""
+    res = out.clone()
+    for i, n in enumerate(int(c) for c in ctx):
+        s = -(-n // split)
+        if s > 1:
+            m = pml[i, :, :s, 0].max(dim=1, keepdim=True).values  # [H, 1]
+            w = torch.exp(pml[i, :, :s, 0] - m)
+            res[i] = (pacc[i, :, :s] * w[..., None]).sum(1) / (pml[i, :, :s, 1] * w).sum(1)[:, None]
+    return res
+
+
+@pytest.mark.parametrize("h,kvh", [(16, 2), (8, 2)])
+def test_the_cuda_attention_matches_float64_and_a_tokens_bits_ignore_its_batch(emu, h, kvh):
+    """cuda_q4.attention (attn_decode: keys in 16-key chunks over 4 warps, S^T = K q^T and
+    out^T = V^T P^T on bf16 MMAs, q and p as high part + remainder) on the emulator: against
+    float64 with padding, one split and several, stale NaN in the pool's other slots; a
+    padding token's zeros; a token alone gives the bits it gets among the others."""
+    g = torch.Generator().manual_seed(h)
+    d, bs, nb, mb, split = 128, 16, 40, 16, 64
+    kc = torch.randn(nb, bs, kvh, d, generator=g).to(torch.bfloat16)
+    vc = torch.randn(nb, bs, kvh, d, generator=g).to(torch.bfloat16)
+    tables = torch.randperm(nb, generator=g)[:2 * mb].view(2, mb).to(torch.int32).contiguous()
+    rows = torch.tensor([0, 1, 0, 1, 1, 0], dtype=torch.int32)
+    ctx = torch.tensor([1, 17, 64, 100, 0, 250], dtype=torch.int32)
+    for r in range(2):  # slots past a stream's context hold stale NaN
+        for pos in range(int(ctx[rows == r].max()), mb * bs):
+            kc[tables[r, pos // bs], pos % bs] = float("nan")
+            vc[tables[r, pos // bs], pos % bs] = float("nan")
+    q = torch.randn(6, h, d, generator=g)
+    ms = -(-mb * bs // split)
+
+    def run(sel):
+        n = len(sel)
+        out = torch.full((n, h, d), float("nan"))
+        pacc = torch.full((n, h, ms, d), float("nan"))
+        pml = torch.full((n, h, ms, 2), float("nan"))
+        with cuda_emu.emulated(emu):
+            cuda_q4.attention(q[sel].contiguous(), kc, vc, tables, rows[sel].contiguous(),
+                              ctx[sel].contiguous(), 0.09, out, pacc, pml, ms, split, True)
+        return out, pacc, pml
+
+    out, pacc, pml = run(list(range(6)))
+    got = _merged(out, pacc, pml, ctx, split)
+    live = [0, 1, 2, 3, 5]
+    ref = cpu_ref(q[live], kc, vc, tables, rows[live], ctx[live], 0.09)
+    assert _rel(got[live], ref) < 2e-5
+    assert torch.equal(out[4], torch.zeros(h, d))  # the padding token
+    for i in (1, 5):  # one split; four
+        o1, a1, m1 = run([i])
+        if int(ctx[i]) <= split:
+            assert torch.equal(o1[0], out[i])
+        else:
+            s = -(-int(ctx[i]) // split)
+            assert torch.equal(a1[0, :, :s], pacc[i, :, :s]) and torch.equal(m1[0, :, :s], pml[i, :, :s])
+
+
+def cpu_ref(q, kc, vc, tables, rows, ctx, scale):
+    from kernels import cpu
+    return cpu.paged_attention_reference(q, kc, vc, tables, rows, ctx, scale)

@@ -132,6 +132,37 @@ def test_norms_rope_and_softmax_at_real_shapes():
         assert torch.equal(kc2.nan_to_num(7.0), kc.nan_to_num(7.0)) and torch.equal(vc2.nan_to_num(7.0), vc.nan_to_num(7.0))
 
 
+def test_the_cuda_attention_at_real_shapes_and_bitwise_alone(monkeypatch):
+    """triton_attention.CUDA_ATTENTION (kernels/cuda_q4.py attn_decode) at the 30B preset's
+    heads on a bf16 pool: against float64, a token alone (wider table, one-token launch with its
+    L2 prefetch) bitwise as among eight, with and without the prefetch."""
+    from kernels import cuda_q4
+    g = torch.Generator(DEV).manual_seed(4)
+    h, kvh, d, bs, nb = 32, 4, 128, 16, 1024
+    kc = torch.randn(nb, bs, kvh, d, generator=g, device=DEV).to(torch.bfloat16)
+    vc = torch.randn(nb, bs, kvh, d, generator=g, device=DEV).to(torch.bfloat16)
+    ctx = torch.tensor([1, 17, 300, 512, 513, 1500, 2047, 900], dtype=torch.int32, device=DEV)
+    t = ctx.numel()
+    tables = torch.randperm(nb, generator=g, device=DEV)[: t * 128].view(t, 128).to(torch.int32).contiguous()
+    rows = torch.arange(t, dtype=torch.int32, device=DEV)
+    q = torch.randn(t, h, d, generator=g, device=DEV)
+    if not cuda_q4.attention_fits(q, kc):
+        pytest.skip("the CUDA kernels do not load here")
+    monkeypatch.setattr(triton_attention, "CUDA_ATTENTION", True)
+    out = triton_attention.paged_attention(q, kc, vc, tables, rows, ctx, d ** -0.5, nan(t, h, d))
+    ref = cpu.paged_attention_reference(q.cpu(), kc.cpu(), vc.cpu(), tables.cpu(), rows.cpu(),
+                                        ctx.cpu(), d ** -0.5)
+    assert rel_err(out.cpu(), ref) < 3e-5
+    for i in (0, 3, 4, 6):
+        wide = torch.cat([tables[i:i + 1], torch.zeros(1, 40, dtype=torch.int32, device=DEV)], 1)
+        for pf in (1, None):
+            monkeypatch.setattr(triton_attention, "PREFETCH_KV", pf)
+            alone = triton_attention.paged_attention(q[i:i + 1].contiguous(), kc, vc, wide.contiguous(),
+                                                     torch.zeros(1, dtype=torch.int32, device=DEV),
+                                                     ctx[i:i + 1].contiguous(), d ** -0.5, nan(1, h, d))
+            assert torch.equal(alone[0], out[i]), (i, pf)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_attention_at_real_shapes_and_bitwise_alone(dtype):
     g = torch.Generator(DEV).manual_seed(3)
