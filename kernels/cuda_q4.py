@@ -793,6 +793,42 @@ __device__ __forceinline__ unsigned word(const uint4& v, int i) {
 }
 __device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
 
+// a chunk's K and V as the two products read them (zeros past the context: p is 0 there, and
+// 0 x a stale NaN is not): K keys c0 + g, c0 + g + 8 whole; V keys c0 + 2j, 2j+1, 2j+8, 2j+9 at
+// d 8g.. and 64 + 8g..
+__device__ __forceinline__ void attn_chunk(const unsigned short* __restrict__ kc,
+                                           const unsigned short* __restrict__ vc,
+                                           const int* __restrict__ bt, long long row, int stride_bt,
+                                           int bs_log2, int bs_mask, int KVH, int kvh,
+                                           int block_elems, int c0, int hi, int g, int j,
+                                           uint4 kv[2][4], uint4 vv[4][2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = c0 + g + 8 * r;
+    if (key < hi) {
+      const int blk = bt[row * stride_bt + (key >> bs_log2)];
+      const unsigned short* p = kc + (size_t)blk * block_elems + ((((key & bs_mask) * KVH + kvh) << 7) + 8 * j);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) kv[r][c] = __ldg(reinterpret_cast<const uint4*>(p + 32 * c));
+    } else {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) kv[r][c] = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int key = c0 + 2 * j + (i & 1) + 8 * (i >> 1);
+    if (key < hi) {
+      const int blk = bt[row * stride_bt + (key >> bs_log2)];
+      const unsigned short* p = vc + (size_t)blk * block_elems + ((((key & bs_mask) * KVH + kvh) << 7) + 8 * g);
+      vv[i][0] = __ldg(reinterpret_cast<const uint4*>(p));
+      vv[i][1] = __ldg(reinterpret_cast<const uint4*>(p + 64));
+    } else {
+      vv[i][0] = vv[i][1] = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(128) attn_decode(
     const float* __restrict__ q, const unsigned short* __restrict__ kc,
     const unsigned short* __restrict__ vc, const int* __restrict__ bt, const int* __restrict__ rows,
@@ -843,33 +879,14 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
   float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f}, acc[8][4];
 #pragma unroll
   for (int mt = 0; mt < 8; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
+  // chunk c0's K / V in kv / vv while the next chunk's loads are in flight (nkv / nvv)
+  uint4 kv[2][4], vv[4][2];
+  attn_chunk(kc, vc, bt, row, stride_bt, bs_log2, bs_mask, KVH, kvh, block_elems, lo + 16 * warp,
+             hi, g, j, kv, vv);
   for (int c0 = lo + 16 * warp; c0 < hi; c0 += 64) {
-    uint4 kv[2][4], vv[4][2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {  // K: keys c0 + g, c0 + g + 8 whole
-      const int key = c0 + g + 8 * r;
-      if (key < hi) {
-        const int blk = bt[row * stride_bt + (key >> bs_log2)];
-        const unsigned short* p = kc + (size_t)blk * block_elems + ((((key & bs_mask) * KVH + kvh) << 7) + 8 * j);
-#pragma unroll
-        for (int c = 0; c < 4; ++c) kv[r][c] = __ldg(reinterpret_cast<const uint4*>(p + 32 * c));
-      } else {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) kv[r][c] = make_uint4(0u, 0u, 0u, 0u);
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {  // V: keys c0 + 2j, 2j+1, 2j+8, 2j+9 at d 8g.. and 64 + 8g..
-      const int key = c0 + 2 * j + (i & 1) + 8 * (i >> 1);
-      if (key < hi) {  // (a key past the context reads 0: p is 0 there, and 0 x a stale NaN is not)
-        const int blk = bt[row * stride_bt + (key >> bs_log2)];
-        const unsigned short* p = vc + (size_t)blk * block_elems + ((((key & bs_mask) * KVH + kvh) << 7) + 8 * g);
-        vv[i][0] = __ldg(reinterpret_cast<const uint4*>(p));
-        vv[i][1] = __ldg(reinterpret_cast<const uint4*>(p + 64));
-      } else {
-        vv[i][0] = vv[i][1] = make_uint4(0u, 0u, 0u, 0u);
-      }
-    }
+    uint4 nkv[2][4], nvv[4][2];
+    attn_chunk(kc, vc, bt, row, stride_bt, bs_log2, bs_mask, KVH, kvh, block_elems, c0 + 64, hi,
+               g, j, nkv, nvv);
     // S^T [keys g, g+8; heads 2j, 2j+1]: the high parts' chain and the remainders', then summed
     float sh[4] = {0.f, 0.f, 0.f, 0.f}, sr[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -922,6 +939,12 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
       mma_bf16(acc[mt], a0, a1, a2, a3, bh0, bh1);
       mma_bf16(acc[mt], a0, a1, a2, a3, br0, br1);
     }
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) kv[r][c] = nkv[r][c];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { vv[i][0] = nvv[i][0]; vv[i][1] = nvv[i][1]; }
   }
   // the warps' states merged in warp order (heads < group)
 #pragma unroll

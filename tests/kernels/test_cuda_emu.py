@@ -241,7 +241,7 @@ def test_the_cuda_attention_matches_float64_and_a_tokens_bits_ignore_its_batch(e
     float64 with padding, one split and several, stale NaN in the pool's other slots; a
     padding token's zeros; a token alone gives the bits it gets among the others."""
     g = torch.Generator().manual_seed(h)
-    d, bs, nb, mb, split = 128, 16, 40, 16, 64
+    d, bs, nb, mb, split = 128, 16, 40, 16, 128  # (a warp takes 2 chunks of a 128-key split)
     kc = torch.randn(nb, bs, kvh, d, generator=g).to(torch.bfloat16)
     vc = torch.randn(nb, bs, kvh, d, generator=g).to(torch.bfloat16)
     tables = torch.randperm(nb, generator=g)[:2 * mb].view(2, mb).to(torch.int32).contiguous()
