@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The next session's first device call (kernels/GPU_NOTES.md, v27 "Next"), printing
 # as it goes; every step has its own timeout so a hang costs that step only. It re-checks the
-# kernel bits on whatever machine comes, takes the defaults' baseline at contexts 128 / 2,048 x
+# kernel bits on whatever machine comes, times the CUDA paged attention beside the Triton kernel
+# (bench/kernel_bench.py --attention-cuda), takes the defaults' baseline at contexts 128 / 2,048 x
 # 1 / 64, measures 64 streams x 144 new tokens from context 128 on the H200 (the issue's
 # no-thrash row: 5,999 tok/s in v21 with a 108 ms capture step; on the H100 in v22, with the
 # first table-width bucket at 32 blocks, no stall and 99.3% of the 64-token figure — the H200
-# reading is still owed), then v21's split counts (`mp256`, the H200 only; `nofillcols`, o at
+# reading is still owed), then the CUDA attention (`cudaattn`, its chunk loads pipelined since
+# v27's reading) and v21's split counts (`mp256`, the H200 only; `nofillcols`, o at
 # 16 columns a warp, was read beside the defaults on the H100 in v25-v27) beside the
 # defaults, with the engine's bitwise sets under a mode that beats them (the judge before it
 # may become a default), then the
@@ -31,6 +33,11 @@ stamp "bits: cuda_q4 (CTA form, PDL chain in a graph, direct experts), the MoE, 
 timeout 150 python -m pytest -q -n 0 tests/kernels/test_gpu.py \
   -k "moe_at_real or paged_attention_at_real or norms_rope" 2>&1 | tail -3
 
+stamp "the CUDA paged attention (cuda_q4 attn_decode, v27) beside the Triton kernel: bits, µs a kernel"
+timeout 150 python -m pytest -q -n 0 tests/kernels/test_gpu.py -k "cuda_attention" 2>&1 | tail -2
+timeout 150 python -m bench.kernel_bench --attention-only --attention-cuda --json "$OUT/attn_cuda.json" 2>&1 \
+  | grep -v Warning
+
 # the defaults (pdl) at the contexts and stream counts of the targets, then the other MODES
 KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=${TAIL:-7} T_ENGINE=${T_ENGINE:-150} ENGINE_MODES="pdl" \
   CONTEXT=${BASE_CONTEXT:-128,2048} STREAMS=${BASE_STREAMS:-1,64} TAG=_base \
@@ -45,7 +52,7 @@ fi
 # (mp256, v21's split of qkv in 2, on the H200 only: v22 moved the default to 4 on the H100)
 H200_MODES=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo pdl_mp256)
 KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=${TAIL:-7} T_ENGINE=${T_ENGINE:-150} \
-  ENGINE_MODES="${MODES=$H200_MODES}" CONTEXT=${BASE_CONTEXT:-128,2048} STREAMS=${BASE_STREAMS:-1,64} TAG=_base \
+  ENGINE_MODES="${MODES=$H200_MODES pdl_cudaattn}" CONTEXT=${BASE_CONTEXT:-128,2048} STREAMS=${BASE_STREAMS:-1,64} TAG=_base \
   bash bench/gpu_ab.sh 2>&1 | grep -v "^context\|^KV pool\|^NVIDIA\|^torch"
 # the fastest mode at 128 x 1, if 1.5% faster than the defaults there (and not 1% slower at
 # 128 x 64), gets the engine's bitwise sets next (the judge before it may become a default;
