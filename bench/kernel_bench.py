@@ -237,18 +237,19 @@ def bench_attention(copy_gbs: float, dtypes=(torch.bfloat16, torch.float32),
                                  m=t, variant=f"w{launch[0]}s{launch[1]} bits{'=' if same else '!'}",
                                  ms=ms, gbs=nbytes / ms / 1e6,
                                  pct_copy=100 * nbytes / ms / 1e6 / copy_gbs))
-            if cuda and dtype == torch.bfloat16:
-                triton_attention.CUDA_ATTENTION = True
+            for warps in (4, 8) if cuda and dtype == torch.bfloat16 else ():
+                from kernels import cuda_q4
+                triton_attention.CUDA_ATTENTION, cuda_q4.ATTN_WARPS = True, warps
                 try:
                     out.fill_(float("nan"))
                     ms = timed(lambda: triton_attention.paged_attention(
                         q, kc, vc, tables, rows_t, ctx, d ** -0.5, out), "attention")
                 finally:
-                    triton_attention.CUDA_ATTENTION = False
+                    triton_attention.CUDA_ATTENTION, cuda_q4.ATTN_WARPS = False, 4
                 diff = float((out - ref).abs().max() / ref.abs().max())
                 rows.append(dict(kernel="paged_attention", shape=f"ctx={ctx_len} bfloat16",
-                                 m=t, variant=f"cuda diff {diff:.1e}", ms=ms, gbs=nbytes / ms / 1e6,
-                                 pct_copy=100 * nbytes / ms / 1e6 / copy_gbs))
+                                 m=t, variant=f"cuda w{warps} diff {diff:.0e}", ms=ms,
+                                 gbs=nbytes / ms / 1e6, pct_copy=100 * nbytes / ms / 1e6 / copy_gbs))
             del kc, vc
         torch.cuda.empty_cache()
     return rows

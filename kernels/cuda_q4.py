@@ -829,13 +829,14 @@ __device__ __forceinline__ void attn_chunk(const unsigned short* __restrict__ kc
   }
 }
 
-extern "C" __global__ void __launch_bounds__(128) attn_decode(
+template <int W>
+__device__ __forceinline__ void attn_decode_impl(
     const float* __restrict__ q, const unsigned short* __restrict__ kc,
     const unsigned short* __restrict__ vc, const int* __restrict__ bt, const int* __restrict__ rows,
     const int* __restrict__ ctxs, float* __restrict__ out, float* __restrict__ pacc,
     float* __restrict__ pml, int stride_bt, int max_splits, int H, int KVH, int bs_log2, int SPLIT,
     int group, int scale_bits, int prefetch) {
-  __shared__ float merge_m[4][8], merge_l[4][8], merge_acc[4][8][128], ptile[4][16][8];
+  __shared__ float merge_m[W][8], merge_l[W][8], merge_f[W][8], merge_acc[W][8][128], ptile[W][16][8];
   const int t = blockIdx.x, kvh = blockIdx.y, sp = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, j = lane % 4;
   // the context, the row and its table are the step's inputs (final before the previous kernel
@@ -845,7 +846,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
   const long long row = rows[t];
   if (prefetch) {
     const int end = min(sp * SPLIT + SPLIT, ctx);
-    for (int i = sp * SPLIT + threadIdx.x / 4; i < end; i += 32) {
+    for (int i = sp * SPLIT + threadIdx.x / 4; i < end; i += 8 * W) {
       const int blk = bt[row * stride_bt + (i >> bs_log2)];
       const size_t off = (size_t)blk * (KVH << (bs_log2 + 7)) + (((i & bs_mask) * KVH + kvh) << 7)
           + 64 * (threadIdx.x % 2);
@@ -857,7 +858,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
   const size_t head0 = (size_t)t * H + (size_t)kvh * group;  // the kv head's first query head
   if (ctx == 0) {  // a padding token: defined zeros, nothing read
     if (sp == 0)
-      for (int i = threadIdx.x; i < group * 128; i += 128) out[head0 * 128 + i] = 0.f;
+      for (int i = threadIdx.x; i < group * 128; i += 32 * W) out[head0 * 128 + i] = 0.f;
     return;
   }
   const int n_splits = (ctx + SPLIT - 1) / SPLIT;
@@ -883,9 +884,9 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
   uint4 kv[2][4], vv[4][2];
   attn_chunk(kc, vc, bt, row, stride_bt, bs_log2, bs_mask, KVH, kvh, block_elems, lo + 16 * warp,
              hi, g, j, kv, vv);
-  for (int c0 = lo + 16 * warp; c0 < hi; c0 += 64) {
+  for (int c0 = lo + 16 * warp; c0 < hi; c0 += 16 * W) {
     uint4 nkv[2][4], nvv[4][2];
-    attn_chunk(kc, vc, bt, row, stride_bt, bs_log2, bs_mask, KVH, kvh, block_elems, c0 + 64, hi,
+    attn_chunk(kc, vc, bt, row, stride_bt, bs_log2, bs_mask, KVH, kvh, block_elems, c0 + 16 * W, hi,
                g, j, nkv, nvv);
     // S^T [keys g, g+8; heads 2j, 2j+1]: the high parts' chain and the remainders', then summed
     float sh[4] = {0.f, 0.f, 0.f, 0.f}, sr[4] = {0.f, 0.f, 0.f, 0.f};
@@ -960,25 +961,43 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
     }
   }
   __syncthreads();
-  const int d = threadIdx.x;
-  for (int h = 0; h < group; ++h) {
+  if (threadIdx.x < group) {  // a head's max over the warps, their factors and the sum
+    const int h = threadIdx.x;
     float mm = merge_m[0][h];
-    for (int w = 1; w < 4; ++w) mm = fmaxf(mm, merge_m[w][h]);
-    float ls = 0.f, a = 0.f;
-    for (int w = 0; w < 4; ++w) {
+    for (int w = 1; w < W; ++w) mm = fmaxf(mm, merge_m[w][h]);
+    float ls = 0.f;
+    for (int w = 0; w < W; ++w) {
       const float f = __expf(merge_m[w][h] - mm);
+      merge_f[w][h] = f;
       ls += merge_l[w][h] * f;
-      a += merge_acc[w][h][d] * f;
     }
+    merge_m[0][h] = mm;  // (read below, after the barrier)
+    merge_l[0][h] = ls;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < group * 128; i += 32 * W) {
+    const int h = i / 128, d = i % 128;
+    float a = 0.f;
+    for (int w = 0; w < W; ++w) a += merge_acc[w][h][d] * merge_f[w][h];
     if (n_splits == 1) {
-      out[(head0 + h) * 128 + d] = a / ls;
+      out[(head0 + h) * 128 + d] = a / merge_l[0][h];
     } else {
       const size_t part = (head0 + h) * max_splits + sp;
       pacc[part * 128 + d] = a;
-      if (d == 0) { pml[part * 2] = mm; pml[part * 2 + 1] = ls; }
+      if (d == 0) { pml[part * 2] = merge_m[0][h]; pml[part * 2 + 1] = merge_l[0][h]; }
     }
   }
 }
+#define ATTN_ARGS const float* __restrict__ q, const unsigned short* __restrict__ kc, \
+    const unsigned short* __restrict__ vc, const int* __restrict__ bt, const int* __restrict__ rows, \
+    const int* __restrict__ ctxs, float* __restrict__ out, float* __restrict__ pacc, \
+    float* __restrict__ pml, int stride_bt, int max_splits, int H, int KVH, int bs_log2, int SPLIT, \
+    int group, int scale_bits, int prefetch
+#define ATTN_PASS q, kc, vc, bt, rows, ctxs, out, pacc, pml, stride_bt, max_splits, H, KVH, bs_log2, \
+    SPLIT, group, scale_bits, prefetch
+// entries: 4 warps a CTA (attn_decode) and 8 (attn_decode_w8): other bits (the chunks' dealing)
+extern "C" __global__ void __launch_bounds__(128) attn_decode(ATTN_ARGS) { attn_decode_impl<4>(ATTN_PASS); }
+extern "C" __global__ void __launch_bounds__(256) attn_decode_w8(ATTN_ARGS) { attn_decode_impl<8>(ATTN_PASS); }
 """
 # Two modules of SOURCE's kernels: CORE, what the engine launches (the CTA forms of the linear
 # and of the one-token experts), loaded with the kernels; EXTRA, the forms the benches and tests
@@ -1102,7 +1121,7 @@ EXTRA_ENTRIES = tuple(f"q4_split{rows}_{cols // 8}_d{d}".encode()
                       for rows in (8, 16) for cols in (8, 16, 32) for d in (0, 2, 4, 8)
                       if cols * d <= 128 and (d < 8 or rows == 8))
 EXTRA_ENTRIES += tuple(f"q4_swap{mt}_{ng}_w{w}".encode() for mt, ng, w in SWAP_FORMS) + PROBES
-EXTRA_ENTRIES += (b"attn_decode",)
+EXTRA_ENTRIES += (b"attn_decode", b"attn_decode_w8")
 STREAM = 0  # the depth that names the other form: the warp's split streamed into shared memory
 COLS = 16  # columns a warp by default (the fastest at 1-8 rows of qkv, GPU_NOTES v15)
 DEPTH = 8  # blocks a warp keeps in flight (register ring slots), or STREAM
@@ -1423,6 +1442,11 @@ def _launch(cuda: ctypes.CDLL, fn: ctypes.c_void_p, grid: tuple[int, int, int], 
             raise RuntimeError(f"cuda_q4: launch failed (CUresult {failed})")
 
 
+# attn_decode's warps a CTA, 4 or 8 (the chunks' dealing over the warps and their merge: other
+# bits, so one choice for every batch; bench/ab_modes.py `cudaattn8`)
+ATTN_WARPS = 4
+
+
 def attention_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether `attention` takes these operands: bf16 caches on CUDA, head_dim 128, at most 8
     query heads a kv head, blocks of a power of two keys, and the kernels load there."""
@@ -1446,7 +1470,10 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"cuda attention: split {split} must be a multiple of 16 keys")
     cuda, fns = _functions(q.device.index or 0)
     scale_bits = struct.unpack("<i", struct.pack("<f", scale))[0]
-    _launch(cuda, fns[b"attn_decode"], (t, kvh, max_splits), 128, 0,
+    if ATTN_WARPS not in (4, 8):
+        raise ValueError(f"cuda attention: {ATTN_WARPS} warps a CTA (4 or 8)")
+    entry = b"attn_decode" if ATTN_WARPS == 4 else b"attn_decode_w8"
+    _launch(cuda, fns[entry], (t, kvh, max_splits), 32 * ATTN_WARPS, 0,
             (q, k_cache, v_cache, block_tables, tok_row, ctx_lens, out, pacc, pml),
             (block_tables.stride(0), max_splits, h, kvh, bs.bit_length() - 1, split, h // kvh,
              scale_bits, int(prefetch)))

@@ -35,14 +35,15 @@ def test_the_swapped_cuda_modes_route_rows_to_the_swapped_form(mode, want):
                         "cuda_q4.SWAP_WARPS") == want.split()
 
 
-@pytest.mark.parametrize("mode,want", [("pdl", "512 512 4 2 0 False"),
-                                       ("pdl_attnsplit256_attn4_2", "256 256 4 2 0 False"),
-                                       ("pdl_attnprobe3", "512 512 4 2 3 False"),
-                                       ("pdl_cudaattn", "512 512 4 2 0 True")])
+@pytest.mark.parametrize("mode,want", [("pdl", "512 512 4 2 0 False 4"),
+                                       ("pdl_attnsplit256_attn4_2", "256 256 4 2 0 False 4"),
+                                       ("pdl_attnprobe3", "512 512 4 2 3 False 4"),
+                                       ("pdl_cudaattn", "512 512 4 2 0 True 4"),
+                                       ("pdl_cudaattn8", "512 512 4 2 0 True 8")])
 def test_the_attention_modes_set_the_kernel_and_the_memory_estimate(mode, want):
     assert _knobs(mode, "triton_attention.SPLIT, memory.ATTN_SPLIT, triton_attention.WARPS, "
                         "triton_attention.STAGES, triton_attention.PROBE, "
-                        "triton_attention.CUDA_ATTENTION") == want.split()
+                        "triton_attention.CUDA_ATTENTION, cuda_q4.ATTN_WARPS") == want.split()
 
 
 @pytest.mark.parametrize("mode,want", [("pdl", "16x64x64w1s3 512 128 128"),
