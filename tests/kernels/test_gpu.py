@@ -132,11 +132,14 @@ def test_norms_rope_and_softmax_at_real_shapes():
         assert torch.equal(kc2.nan_to_num(7.0), kc.nan_to_num(7.0)) and torch.equal(vc2.nan_to_num(7.0), vc.nan_to_num(7.0))
 
 
-def test_the_cuda_attention_at_real_shapes_and_bitwise_alone(monkeypatch):
-    """triton_attention.CUDA_ATTENTION (kernels/cuda_q4.py attn_decode) at the 30B preset's
-    heads on a bf16 pool: against float64, a token alone (wider table, one-token launch with its
-    L2 prefetch) bitwise as among eight, with and without the prefetch."""
+@pytest.mark.parametrize("warps", [4, 8])
+def test_the_cuda_attention_at_real_shapes_and_bitwise_alone(monkeypatch, warps):
+    """triton_attention.CUDA_ATTENTION (kernels/cuda_q4.py attn_decode, 4 or 8 warps a CTA) at
+    the 30B preset's heads on a bf16 pool: against float64, a token alone (wider table,
+    one-token launch with its L2 prefetch) bitwise as among eight, with and without the
+    prefetch."""
     from kernels import cuda_q4
+    monkeypatch.setattr(cuda_q4, "ATTN_WARPS", warps)
     g = torch.Generator(DEV).manual_seed(4)
     h, kvh, d, bs, nb = 32, 4, 128, 16, 1024
     kc = torch.randn(nb, bs, kvh, d, generator=g, device=DEV).to(torch.bfloat16)
