@@ -181,10 +181,15 @@ inline unsigned sub_f16x2(unsigned a, unsigned b) {
 inline unsigned fma_f16x2(unsigned a, unsigned b, unsigned c) { return as_u(__hfma2(as_h2(a), as_h2(b), as_h2(c))); }
 inline float silu_mul(float g, float u) { return g / (1.0f + std::exp2(-g * 1.44269504f)) * u; }
 
-// mma.m16n8k16 row.col f32.f16.f16.f32: lane (g, c) holds A (g, 2c..), (g+8, 2c..), (g, 2c+8..),
-// (g+8, 2c+8..); B (k 2c.., n g), (k 2c+8.., n g); C / D (g, 2c..), (g+8, 2c..)
-inline void mma(float& d0, float& d1, float& d2, float& d3, unsigned a0, unsigned a1, unsigned a2,
-                unsigned a3, unsigned b0, unsigned b1) {
+// mma.m16n8k16 row.col f32.{f16,bf16}.f32: lane (g, c) holds A (g, 2c..), (g+8, 2c..), (g, 2c+8..),
+// (g+8, 2c+8..); B (k 2c.., n g), (k 2c+8.., n g); C / D (g, 2c..), (g+8, 2c..). `pair` reads a
+// 32-bit register's two 16-bit elements (low half first)
+inline void half_pair(unsigned v, float& lo, float& hi) { const __half2 h = as_h2(v); lo = h2f(h.x); hi = h2f(h.y); }
+inline float bf2f(unsigned bits16) { return __uint_as_float(bits16 << 16); }  // a bf16: a float's high half
+inline void bf16_pair(unsigned v, float& lo, float& hi) { lo = bf2f(v & 0xFFFFu); hi = bf2f(v >> 16); }
+inline void mma_pairs(float& d0, float& d1, float& d2, float& d3, unsigned a0, unsigned a1,
+                      unsigned a2, unsigned a3, unsigned b0, unsigned b1, float c0, float c1,
+                      float c2, float c3, void (*pair)(unsigned, float&, float&)) {
   Warp& w = warp();
   const unsigned l = lane();
   uint64_t* s = w.slot[l];
@@ -194,40 +199,10 @@ inline void mma(float& d0, float& d1, float& d2, float& d3, unsigned a0, unsigne
   for (unsigned q = 0; q < 32; ++q) {
     const unsigned g = q / 4, c = q % 4;
     const uint64_t* t = w.slot[q];
-    auto put = [&](int r, int k, unsigned v) { const __half2 h = as_h2(v); A[r][k] = h2f(h.x); A[r][k + 1] = h2f(h.y); };
+    auto put = [&](int r, int k, unsigned v) { pair(v, A[r][k], A[r][k + 1]); };
     put(g, 2 * c, t[0]); put(g + 8, 2 * c, t[1]); put(g, 2 * c + 8, t[2]); put(g + 8, 2 * c + 8, t[3]);
-    const __half2 p = as_h2(t[4]), r2 = as_h2(t[5]);
-    B[2 * c][g] = h2f(p.x); B[2 * c + 1][g] = h2f(p.y); B[2 * c + 8][g] = h2f(r2.x); B[2 * c + 9][g] = h2f(r2.y);
-  }
-  w.bar.arrive_and_wait();
-  const unsigned g = l / 4, c = l % 4;
-  auto dot = [&](int r, int n, float acc) {
-    double s2 = 0;
-    for (int k = 0; k < 16; ++k) s2 += (double)A[r][k] * B[k][n];
-    return (float)(s2 + acc);
-  };
-  d0 = dot(g, 2 * c, d0); d1 = dot(g, 2 * c + 1, d1); d2 = dot(g + 8, 2 * c, d2); d3 = dot(g + 8, 2 * c + 1, d3);
-}
-
-// the same for bf16 operands (a bf16 is the high half of a float) and a C apart from D
-inline float bf2f(unsigned bits16) { return __uint_as_float(bits16 << 16); }
-inline void mma_bf16(float& d0, float& d1, float& d2, float& d3, unsigned a0, unsigned a1,
-                     unsigned a2, unsigned a3, unsigned b0, unsigned b1, float c0, float c1,
-                     float c2, float c3) {
-  Warp& w = warp();
-  const unsigned l = lane();
-  uint64_t* s = w.slot[l];
-  s[0] = a0; s[1] = a1; s[2] = a2; s[3] = a3; s[4] = b0; s[5] = b1;
-  w.bar.arrive_and_wait();
-  float A[16][16], B[16][8];
-  for (unsigned q = 0; q < 32; ++q) {
-    const unsigned g = q / 4, c = q % 4;
-    const uint64_t* t = w.slot[q];
-    auto put = [&](int r, int k, unsigned v) { A[r][k] = bf2f(v & 0xFFFFu); A[r][k + 1] = bf2f(v >> 16); };
-    put(g, 2 * c, t[0]); put(g + 8, 2 * c, t[1]); put(g, 2 * c + 8, t[2]); put(g + 8, 2 * c + 8, t[3]);
-    const unsigned p = (unsigned)t[4], r2 = (unsigned)t[5];
-    B[2 * c][g] = bf2f(p & 0xFFFFu); B[2 * c + 1][g] = bf2f(p >> 16);
-    B[2 * c + 8][g] = bf2f(r2 & 0xFFFFu); B[2 * c + 9][g] = bf2f(r2 >> 16);
+    pair((unsigned)t[4], B[2 * c][g], B[2 * c + 1][g]);
+    pair((unsigned)t[5], B[2 * c + 8][g], B[2 * c + 9][g]);
   }
   w.bar.arrive_and_wait();
   const unsigned g = l / 4, c = l % 4;
@@ -237,6 +212,15 @@ inline void mma_bf16(float& d0, float& d1, float& d2, float& d3, unsigned a0, un
     return (float)(s2 + acc);
   };
   d0 = dot(g, 2 * c, c0); d1 = dot(g, 2 * c + 1, c1); d2 = dot(g + 8, 2 * c, c2); d3 = dot(g + 8, 2 * c + 1, c3);
+}
+inline void mma(float& d0, float& d1, float& d2, float& d3, unsigned a0, unsigned a1, unsigned a2,
+                unsigned a3, unsigned b0, unsigned b1) {  // f16, C = D
+  mma_pairs(d0, d1, d2, d3, a0, a1, a2, a3, b0, b1, d0, d1, d2, d3, half_pair);
+}
+inline void mma_bf16(float& d0, float& d1, float& d2, float& d3, unsigned a0, unsigned a1,
+                     unsigned a2, unsigned a3, unsigned b0, unsigned b1, float c0, float c1,
+                     float c2, float c3) {
+  mma_pairs(d0, d1, d2, d3, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, bf16_pair);
 }
 // cvt.rn.bf16x2.f32 d, a, b: a to the high half, b to the low, rounded to nearest even
 inline unsigned f2bf(float f) {
