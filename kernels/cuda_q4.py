@@ -795,19 +795,22 @@ __device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000);
 
 // a chunk's K and V as the two products read them (zeros past the context: p is 0 there, and
 // 0 x a stale NaN is not): K keys c0 + g, c0 + g + 8 whole; V keys c0 + 2j, 2j+1, 2j+8, 2j+9 at
-// d 8g.. and 64 + 8g..
+// d 8g.. and 64 + 8g... A chunk starts at a multiple of 16 keys and a block holds 16 or more
+// (attention_fits), so its keys share one block: one table load a chunk.
 __device__ __forceinline__ void attn_chunk(const unsigned short* __restrict__ kc,
                                            const unsigned short* __restrict__ vc,
                                            const int* __restrict__ bt, long long row, int stride_bt,
                                            int bs_log2, int bs_mask, int KVH, int kvh,
                                            int block_elems, int c0, int hi, int g, int j,
                                            uint4 kv[2][4], uint4 vv[4][2]) {
+  const int blk = c0 < hi ? bt[row * stride_bt + (c0 >> bs_log2)] : 0;
+  const size_t base = (size_t)blk * block_elems + ((((c0 & bs_mask) * KVH + kvh) << 7));
+  const int key_elems = KVH << 7;  // from one key's row to the next's
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int key = c0 + g + 8 * r;
-    if (key < hi) {
-      const int blk = bt[row * stride_bt + (key >> bs_log2)];
-      const unsigned short* p = kc + (size_t)blk * block_elems + ((((key & bs_mask) * KVH + kvh) << 7) + 8 * j);
+    const int n = g + 8 * r;  // the key, from c0
+    if (c0 + n < hi) {
+      const unsigned short* p = kc + base + n * key_elems + 8 * j;
 #pragma unroll
       for (int c = 0; c < 4; ++c) kv[r][c] = __ldg(reinterpret_cast<const uint4*>(p + 32 * c));
     } else {
@@ -817,10 +820,9 @@ __device__ __forceinline__ void attn_chunk(const unsigned short* __restrict__ kc
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const int key = c0 + 2 * j + (i & 1) + 8 * (i >> 1);
-    if (key < hi) {
-      const int blk = bt[row * stride_bt + (key >> bs_log2)];
-      const unsigned short* p = vc + (size_t)blk * block_elems + ((((key & bs_mask) * KVH + kvh) << 7) + 8 * g);
+    const int n = 2 * j + (i & 1) + 8 * (i >> 1);
+    if (c0 + n < hi) {
+      const unsigned short* p = vc + base + n * key_elems + 8 * g;
       vv[i][0] = __ldg(reinterpret_cast<const uint4*>(p));
       vv[i][1] = __ldg(reinterpret_cast<const uint4*>(p + 64));
     } else {
@@ -1449,11 +1451,13 @@ ATTN_WARPS = 4
 
 def attention_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether `attention` takes these operands: bf16 caches on CUDA, head_dim 128, at most 8
-    query heads a kv head, blocks of a power of two keys, and the kernels load there."""
+    query heads a kv head, blocks of a power of two keys, 16 or more (a 16-key chunk in one
+    block), and the kernels load there."""
     t, h, d = q.shape
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
     return (q.is_cuda and k_cache.dtype == torch.bfloat16 and d == 128 and h % kvh == 0
-            and h // kvh <= 8 and bs & (bs - 1) == 0 and available(q.device.index or 0))
+            and h // kvh <= 8 and bs >= 16 and bs & (bs - 1) == 0
+            and available(q.device.index or 0))
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -1466,8 +1470,9 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     attention_fits; prefetch: the splits' K / V into L2 before the PDL wait."""
     t, h, _ = q.shape
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
-    if split % 16:
-        raise ValueError(f"cuda attention: split {split} must be a multiple of 16 keys")
+    if split % 16 or bs < 16 or bs & (bs - 1):
+        raise ValueError(f"cuda attention: split {split} a multiple of 16 keys, blocks of 2^n >= 16 "
+                         f"keys (not {bs})")
     cuda, fns = _functions(q.device.index or 0)
     scale_bits = struct.unpack("<i", struct.pack("<f", scale))[0]
     if ATTN_WARPS not in (4, 8):
