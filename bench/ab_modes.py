@@ -50,12 +50,12 @@ def apply(mode: str) -> None:
     if 'tritonrouter' in mode:  # the router on the swapped Triton tile (v17's engine)
         from kernels import triton_linear
         triton_linear.CUDA_MIN_N = None
-    if 'cudaattn' in mode:  # the paged attention's split programs as kernels/cuda_q4.py's
+    if 'cudaattn' in mode:  # the paged attention's split programs as kernels/cuda_attention.py's
         from kernels import triton_attention  # attn_decode where it fits (nocudaattn: Triton)
         triton_attention.CUDA_ATTENTION = 'nocudaattn' not in mode
     if re.search(r'cudaattn[48]', mode):  # ... its warps a CTA
-        from kernels import cuda_q4
-        cuda_q4.ATTN_WARPS = int(re.search(r'cudaattn([48])', mode).group(1))
+        from kernels import cuda_attention
+        cuda_attention.ATTN_WARPS = int(re.search(r'cudaattn([48])', mode).group(1))
     if re.search(r'attnprobe[0-9]', mode):  # the attention with parts of its key loop left
         from kernels import triton_attention  # out (PROBE; wrong values but 4: timing only)
         triton_attention.PROBE = int(re.search(r'attnprobe([0-9])', mode).group(1))

@@ -200,7 +200,7 @@ def _bench_moe_tile(copy_gbs: float, ts, router, layers, g, mode: str) -> list[d
 def bench_attention(copy_gbs: float, dtypes=(torch.bfloat16, torch.float32),
                     splits=(512, 256), launches=(), cuda: bool = False) -> list[dict]:
     """launches: extra (warps, stages) of the split kernel, bf16 and the default split, each
-    with a bits column against the default launch; cuda: also kernels/cuda_q4.py's attn_decode
+    with a bits column against the default launch; cuda: also kernels/cuda_attention.py's attn_decode
     (triton_attention.CUDA_ATTENTION; other bits: its largest difference from the Triton
     kernel's output, relative to that output's largest value)."""
     g = torch.Generator(DEV).manual_seed(2)
@@ -238,14 +238,14 @@ def bench_attention(copy_gbs: float, dtypes=(torch.bfloat16, torch.float32),
                                  ms=ms, gbs=nbytes / ms / 1e6,
                                  pct_copy=100 * nbytes / ms / 1e6 / copy_gbs))
             for warps in (4, 8) if cuda and dtype == torch.bfloat16 else ():
-                from kernels import cuda_q4
-                triton_attention.CUDA_ATTENTION, cuda_q4.ATTN_WARPS = True, warps
+                from kernels import cuda_attention
+                triton_attention.CUDA_ATTENTION, cuda_attention.ATTN_WARPS = True, warps
                 try:
                     out.fill_(float("nan"))
                     ms = timed(lambda: triton_attention.paged_attention(
                         q, kc, vc, tables, rows_t, ctx, d ** -0.5, out), "attention")
                 finally:
-                    triton_attention.CUDA_ATTENTION, cuda_q4.ATTN_WARPS = False, 4
+                    triton_attention.CUDA_ATTENTION, cuda_attention.ATTN_WARPS = False, 4
                 diff = float((out - ref).abs().max() / ref.abs().max())
                 rows.append(dict(kernel="paged_attention", shape=f"ctx={ctx_len} bfloat16",
                                  m=t, variant=f"cuda w{warps} diff {diff:.0e}", ms=ms,

@@ -56,10 +56,11 @@ HEAD_SPLIT_PROGRAMS: int | None = None
 # many programs contend with their loads). None: off (bench/ab_modes.py `nokvpf`; `kvpf`: on
 # at every token count)
 PREFETCH_KV: int | None = 1
-# the split programs as the CUDA kernel kernels/cuda_q4.py `attention` (ATTENTION: keys in
-# 16-key chunks over 4 warps, both products transposed so the heads are the MMAs' n) where it
+# the split programs as the CUDA kernel kernels/cuda_attention.py `attention` (keys in
+# 16-key chunks over 4 or 8 warps, both products transposed so the heads are the MMAs' n) where it
 # fits (bf16 pool, head_dim 128, <= 8 query heads a kv head): other bits, the same at every
-# batch. Off until measured (bench/ab_modes.py `cudaattn`).
+# batch. Off: 1-4% slower at one stream in its first reading (H100, GPU_NOTES v27); later
+# versions unmeasured (bench/ab_modes.py `cudaattn`, `cudaattn8`).
 CUDA_ATTENTION = False
 # bench only (bench/attn_timeline.py --probe): what the key loop's parts cost, by leaving
 # parts out — wrong values except 4. 1: the K / V loads and the softmax, no dots; 2: the QK
@@ -224,8 +225,8 @@ def _attn_merge_kernel(ctx_ptr, out_ptr, pacc_ptr, pml_ptr, max_splits,
 def _cuda_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     if not q.is_cuda:
         return False
-    from kernels import cuda_q4
-    return cuda_q4.attention_fits(q, k_cache)
+    from kernels import cuda_attention
+    return cuda_attention.attention_fits(q, k_cache)
 
 
 def head_splits(programs: int, group: int) -> int:
@@ -287,8 +288,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError(f"head_split {hs} must divide the {group} query heads a kv head")
     prefetch = bool(PREFETCH_KV and t <= PREFETCH_KV)
     if CUDA_ATTENTION and trace is None and head_split is None and PROBE == 0 and _cuda_fits(q, k_cache):
-        from kernels import cuda_q4
-        cuda_q4.attention(q, k_cache, v_cache, block_tables, tok_row, ctx_lens, scale, out, pacc,
+        from kernels import cuda_attention
+        cuda_attention.attention(q, k_cache, v_cache, block_tables, tok_row, ctx_lens, scale, out, pacc,
                           pml, max_splits, split, prefetch)
     else:
         _attn_split_kernel[(t, kvh * hs, max_splits)](

@@ -11,7 +11,7 @@ import pytest
 
 def _knobs(mode: str, expr: str) -> list[str]:
     code = (f"from bench.ab_modes import apply\napply({mode!r})\n"
-            "from kernels import cuda_q4, moe_layout, q4_layout, triton_attention, "
+            "from kernels import cuda_attention, cuda_q4, moe_layout, q4_layout, triton_attention, "
             "triton_linear, triton_moe, triton_moe_route, triton_norm, triton_pdl\n"
             "from replica import memory\n"
             f"print({expr})")
@@ -43,7 +43,7 @@ def test_the_swapped_cuda_modes_route_rows_to_the_swapped_form(mode, want):
 def test_the_attention_modes_set_the_kernel_and_the_memory_estimate(mode, want):
     assert _knobs(mode, "triton_attention.SPLIT, memory.ATTN_SPLIT, triton_attention.WARPS, "
                         "triton_attention.STAGES, triton_attention.PROBE, "
-                        "triton_attention.CUDA_ATTENTION, cuda_q4.ATTN_WARPS") == want.split()
+                        "triton_attention.CUDA_ATTENTION, cuda_attention.ATTN_WARPS") == want.split()
 
 
 @pytest.mark.parametrize("mode,want", [("pdl", "16x64x64w1s3 512 128 128"),

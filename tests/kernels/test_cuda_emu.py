@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cuda_q4  # (no Triton here: test_triton_kernels.py interprets it)
+from kernels import cuda_attention, cuda_q4  # (no Triton here: test_triton_kernels.py interprets it)
 from tests.kernels import cuda_emu, ptxas
 
 
@@ -237,12 +237,12 @@ def _merged(out, pacc, pml, ctx, split):
 @pytest.mark.parametrize("h,kvh,warps", [(16, 2, 4), (8, 2, 4), (16, 2, 8)])
 def test_the_cuda_attention_matches_float64_and_a_tokens_bits_ignore_its_batch(emu, monkeypatch, h, kvh,
                                                                                 warps):
-    """cuda_q4.attention (attn_decode: keys in 16-key chunks over 4 warps, S^T = K q^T and
+    """cuda_attention.attention (attn_decode: keys in 16-key chunks over 4 warps, S^T = K q^T and
     out^T = V^T P^T on bf16 MMAs, q and p as high part + remainder) on the emulator: against
     float64 with padding, one split and several, stale NaN in the pool's other slots; a
     padding token's zeros; a token alone gives the bits it gets among the others; 4 and 8
     warps a CTA (ATTN_WARPS)."""
-    monkeypatch.setattr(cuda_q4, "ATTN_WARPS", warps)
+    monkeypatch.setattr(cuda_attention, "ATTN_WARPS", warps)
     g = torch.Generator().manual_seed(h)
     d, bs, nb, mb, split = 128, 16, 40, 16, 128  # (a warp takes 2 chunks of a 128-key split)
     kc = torch.randn(nb, bs, kvh, d, generator=g).to(torch.bfloat16)
@@ -263,7 +263,7 @@ def test_the_cuda_attention_matches_float64_and_a_tokens_bits_ignore_its_batch(e
         pacc = torch.full((n, h, ms, d), float("nan"))
         pml = torch.full((n, h, ms, 2), float("nan"))
         with cuda_emu.emulated(emu):
-            cuda_q4.attention(q[sel].contiguous(), kc, vc, tables, rows[sel].contiguous(),
+            cuda_attention.attention(q[sel].contiguous(), kc, vc, tables, rows[sel].contiguous(),
                               ctx[sel].contiguous(), 0.09, out, pacc, pml, ms, split, True)
         return out, pacc, pml
 

@@ -134,12 +134,12 @@ def test_norms_rope_and_softmax_at_real_shapes():
 
 @pytest.mark.parametrize("warps", [4, 8])
 def test_the_cuda_attention_at_real_shapes_and_bitwise_alone(monkeypatch, warps):
-    """triton_attention.CUDA_ATTENTION (kernels/cuda_q4.py attn_decode, 4 or 8 warps a CTA) at
+    """triton_attention.CUDA_ATTENTION (kernels/cuda_attention.py attn_decode, 4 or 8 warps a CTA) at
     the 30B preset's heads on a bf16 pool: against float64, a token alone (wider table,
     one-token launch with its L2 prefetch) bitwise as among eight, with and without the
     prefetch."""
-    from kernels import cuda_q4
-    monkeypatch.setattr(cuda_q4, "ATTN_WARPS", warps)
+    from kernels import cuda_attention
+    monkeypatch.setattr(cuda_attention, "ATTN_WARPS", warps)
     g = torch.Generator(DEV).manual_seed(4)
     h, kvh, d, bs, nb = 32, 4, 128, 16, 1024
     kc = torch.randn(nb, bs, kvh, d, generator=g, device=DEV).to(torch.bfloat16)
@@ -149,7 +149,7 @@ def test_the_cuda_attention_at_real_shapes_and_bitwise_alone(monkeypatch, warps)
     tables = torch.randperm(nb, generator=g, device=DEV)[: t * 128].view(t, 128).to(torch.int32).contiguous()
     rows = torch.arange(t, dtype=torch.int32, device=DEV)
     q = torch.randn(t, h, d, generator=g, device=DEV)
-    if not cuda_q4.attention_fits(q, kc):
+    if not cuda_attention.attention_fits(q, kc):
         pytest.skip("the CUDA kernels do not load here")
     monkeypatch.setattr(triton_attention, "CUDA_ATTENTION", True)
     out = triton_attention.paged_attention(q, kc, vc, tables, rows, ctx, d ** -0.5, nan(t, h, d))
