@@ -33,7 +33,7 @@ stamp "bits: cuda_q4 (CTA form, PDL chain in a graph, direct experts), the MoE, 
 timeout 150 python -m pytest -q -n 0 tests/kernels/test_gpu.py \
   -k "moe_at_real or paged_attention_at_real or norms_rope" 2>&1 | tail -3
 
-stamp "the CUDA paged attention (cuda_q4 attn_decode, v27) beside the Triton kernel: bits, µs a kernel"
+stamp "the CUDA paged attention (kernels/cuda_attention.py attn_decode, v27) beside the Triton kernel: bits, µs a kernel"
 timeout 150 python -m pytest -q -n 0 tests/kernels/test_gpu.py -k "cuda_attention" 2>&1 | tail -2
 timeout 150 python -m bench.kernel_bench --attention-only --attention-cuda --json "$OUT/attn_cuda.json" 2>&1 \
   | grep -v Warning
