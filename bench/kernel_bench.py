@@ -274,7 +274,7 @@ def main() -> None:
     ap.add_argument("--no-attention", action="store_true")
     ap.add_argument("--attention-only", action="store_true")
     ap.add_argument("--attention-cuda", action="store_true",
-                    help="also the CUDA attention (kernels/cuda_q4.py attn_decode)")
+                    help="also the CUDA attention (kernels/cuda_attention.py attn_decode)")
     ap.add_argument("--attention-launches", default="",
                     help="split-kernel launches to compare, WARPS:STAGES,... e.g. 8:2,4:3")
     ap.add_argument("--linear-variants", default=str(q4_layout.MAX_PROGRAMS),

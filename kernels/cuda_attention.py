@@ -18,8 +18,8 @@ SOURCE = r"""
 // i % W (W = 4 or 8 warps a CTA); each warp keeps a running max, sum and accumulator a head,
 // the next chunk's loads in flight, and the W are merged in warp order at the end: every order
 // is fixed by the split, W and the token's context alone, so a token's bits do not depend on
-// its batch. Both products run transposed, so the heads are the
-// MMA's n (8, none padded): S^T = K q^T (m: 16 keys, k: d) and out^T = V^T P^T (m: d, k: keys).
+// its batch. Both products run transposed, so the heads are the MMA's n (8, none padded):
+// S^T = K q^T (m: 16 keys, k: d) and out^T = V^T P^T (m: d, k: keys).
 // S^T: lane (g, j) loads keys g and g + 8 whole (16 bytes at d = 32c + 8j, c = 0..3) and k runs
 // over d permuted so one load gives the A fragments of two k16 steps (step 2c + h: k = 2j, 2j+1
 // <-> d = 32c + 8j + 4h + 0, 1; k = 2j+8, 2j+9 <-> + 2, 3; q's B fragments alike). q (fp32) and
@@ -263,12 +263,6 @@ extern "C" __global__ void __launch_bounds__(256) attn_decode_w8(ATTN_ARGS) { at
 ENTRIES = (b"attn_decode", b"attn_decode_w8")
 
 
-def _available(device: int) -> bool:
-    from kernels import cuda_q4
-
-    return cuda_q4.available(device)
-
-
 # attn_decode's warps a CTA, 4 or 8 (the chunks' dealing over the warps and their merge: other
 # bits, so one choice for every batch; bench/ab_modes.py `cudaattn8`)
 ATTN_WARPS = 4
@@ -280,9 +274,12 @@ def attention_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     block), and the kernels load there."""
     t, h, d = q.shape
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
-    return (q.is_cuda and k_cache.dtype == torch.bfloat16 and d == 128 and h % kvh == 0
-            and h // kvh <= 8 and bs >= 16 and bs & (bs - 1) == 0
-            and _available(q.device.index or 0))
+    if not (q.is_cuda and k_cache.dtype == torch.bfloat16 and d == 128 and h % kvh == 0
+            and h // kvh <= 8 and bs >= 16 and bs & (bs - 1) == 0):
+        return False
+    from kernels import cuda_q4  # (its launcher and module; it imports this file's SOURCE)
+
+    return cuda_q4.available(q.device.index or 0)
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import triton_pdl
+from kernels import cuda_attention, triton_pdl
 from kernels.triton_pdl import pdl_wait, prefetch_l2, stamp
 
 SPLIT = 512  # keys per split (fixed: a property of the kernel, not of the batch)
@@ -222,13 +222,6 @@ def _attn_merge_kernel(ctx_ptr, out_ptr, pacc_ptr, pml_ptr, max_splits,
     tl.store(out_ptr + (t * H + h) * D + d, acc / l_sum)
 
 
-def _cuda_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    if not q.is_cuda:
-        return False
-    from kernels import cuda_attention
-    return cuda_attention.attention_fits(q, k_cache)
-
-
 def head_splits(programs: int, group: int) -> int:
     """HS for a launch of `programs` (token, kv head, split) programs: doubled while the launch
     has fewer than HEAD_SPLIT_PROGRAMS programs and HS still divides the group; 1 when off."""
@@ -287,8 +280,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if group % hs:
         raise ValueError(f"head_split {hs} must divide the {group} query heads a kv head")
     prefetch = bool(PREFETCH_KV and t <= PREFETCH_KV)
-    if CUDA_ATTENTION and trace is None and head_split is None and PROBE == 0 and _cuda_fits(q, k_cache):
-        from kernels import cuda_attention
+    if (CUDA_ATTENTION and trace is None and head_split is None and PROBE == 0
+            and cuda_attention.attention_fits(q, k_cache)):
         cuda_attention.attention(q, k_cache, v_cache, block_tables, tok_row, ctx_lens, scale, out, pacc,
                           pml, max_splits, split, prefetch)
     else:

@@ -1,4 +1,5 @@
-"""cuda_q4's kernels run on the CPU (tests/kernels/cuda_emu.py): every output written, each
+"""cuda_q4's kernels (and kernels/cuda_attention.py's, built into its extra module) run on the
+CPU (tests/kernels/cuda_emu.py): every output written, each
 within fp16 rounding of float64, and the forms the GPU tests prove bit-equal give equal bits on
 the emulator too (the same fragments into the same MMAs in the same order; the emulator's MMA
 is not the GPU's, but a form that fed it otherwise would differ). What a new kernel's source
@@ -10,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cuda_attention, cuda_q4  # (no Triton here: test_triton_kernels.py interprets it)
+from kernels import cpu, cuda_attention, cuda_q4  # (no Triton here: test_triton_kernels.py interprets it)
 from tests.kernels import cuda_emu, ptxas
 
 
@@ -221,7 +222,6 @@ def test_a_coresident_grid_whose_ctas_wait_on_each_other():
                         (x, out, total, torch.zeros(200, dtype=torch.int32)), (32,), coresident=True)
 
 
-
 def _merged(out, pacc, pml, ctx, split):
     """The attention's merge kernel in torch: each token's split partials in split order."""
     res = out.clone()
@@ -237,7 +237,7 @@ def _merged(out, pacc, pml, ctx, split):
 @pytest.mark.parametrize("h,kvh,warps", [(16, 2, 4), (8, 2, 4), (16, 2, 8)])
 def test_the_cuda_attention_matches_float64_and_a_tokens_bits_ignore_its_batch(emu, monkeypatch, h, kvh,
                                                                                 warps):
-    """cuda_attention.attention (attn_decode: keys in 16-key chunks over 4 warps, S^T = K q^T and
+    """cuda_attention.attention (attn_decode: keys in 16-key chunks over the warps, S^T = K q^T and
     out^T = V^T P^T on bf16 MMAs, q and p as high part + remainder) on the emulator: against
     float64 with padding, one split and several, stale NaN in the pool's other slots; a
     padding token's zeros; a token alone gives the bits it gets among the others; 4 and 8
@@ -264,24 +264,19 @@ def test_the_cuda_attention_matches_float64_and_a_tokens_bits_ignore_its_batch(e
         pml = torch.full((n, h, ms, 2), float("nan"))
         with cuda_emu.emulated(emu):
             cuda_attention.attention(q[sel].contiguous(), kc, vc, tables, rows[sel].contiguous(),
-                              ctx[sel].contiguous(), 0.09, out, pacc, pml, ms, split, True)
+                                     ctx[sel].contiguous(), 0.09, out, pacc, pml, ms, split, True)
         return out, pacc, pml
 
     out, pacc, pml = run(list(range(6)))
     got = _merged(out, pacc, pml, ctx, split)
     live = [0, 1, 2, 3, 5]
-    ref = cpu_ref(q[live], kc, vc, tables, rows[live], ctx[live], 0.09)
+    ref = cpu.paged_attention_reference(q[live], kc, vc, tables, rows[live], ctx[live], 0.09)
     assert _rel(got[live], ref) < 2e-5
     assert torch.equal(out[4], torch.zeros(h, d))  # the padding token
-    for i in (1, 5):  # one split; four
+    for i in (1, 5):  # one split; two
         o1, a1, m1 = run([i])
         if int(ctx[i]) <= split:
             assert torch.equal(o1[0], out[i])
         else:
             s = -(-int(ctx[i]) // split)
             assert torch.equal(a1[0, :, :s], pacc[i, :, :s]) and torch.equal(m1[0, :, :s], pml[i, :, :s])
-
-
-def cpu_ref(q, kc, vc, tables, rows, ctx, scale):
-    from kernels import cpu
-    return cpu.paged_attention_reference(q, kc, vc, tables, rows, ctx, scale)
