@@ -50,6 +50,9 @@ def apply(mode: str) -> None:
     if 'tritonrouter' in mode:  # the router on the swapped Triton tile (v17's engine)
         from kernels import triton_linear
         triton_linear.CUDA_MIN_N = None
+    if 'swregs' in mode:  # cuda_q4's CTA forms at <= 8 rows with the MMA's operands swapped
+        from kernels import cuda_q4  # (SWAP_REGS: the weights as A; noswregs: off)
+        cuda_q4.SWAP_REGS = 'noswregs' not in mode
     if 'cudaattn' in mode:  # the paged attention's split programs as kernels/cuda_attention.py's
         from kernels import triton_attention  # attn_decode where it fits (nocudaattn: Triton)
         triton_attention.CUDA_ATTENTION = 'nocudaattn' not in mode

@@ -205,6 +205,46 @@ __device__ __forceinline__ void block_mma(float acc[NT][4], const float2* p, uns
   }
 }
 
+// block_mma with the operands swapped (SW; rows of x <= 8, NT even): the weights as A, the 16
+// columns of n8 tiles i, i + 1 as its rows g, g + 8 (the fragments `dequant` gives, no zero
+// registers), x as B, its row g as column g (the pairs x_frag puts in a0 / a2). Each output is
+// the same 16 products of a k16 chunk in the same order (the GPU measured the swapped form's bits
+// equal, GPU_NOTES v15-v16), with half the MMAs. acc[i / 2] holds (column 8i + g, rows 2c, 2c+1)
+// and (column 8i + 8 + g, rows 2c, 2c+1).
+template <int NT>
+__device__ __forceinline__ void block_mma_sw(float acc[NT][4], const float2* p, unsigned sel,
+                                             const unsigned w0[NT], const unsigned w1[NT],
+                                             const unsigned s[NT]) {
+  static_assert(NT % 2 == 0, "the swapped registers take n8 tiles in pairs");
+  const unsigned b_lo[2] = {half2_bits(__floats2half2_rn(p[0].x, p[0].y)),
+                            half2_bits(__floats2half2_rn(p[1].x, p[1].y))};
+  const unsigned b_hi[2] = {half2_bits(__floats2half2_rn(p[2].x, p[2].y)),
+                            half2_bits(__floats2half2_rn(p[3].x, p[3].y))};
+#pragma unroll
+  for (int i = 0; i < NT; i += 2) {
+    unsigned lo0[2], hi0[2], lo1[2], hi1[2];
+    dequant(w0[i], w1[i], sel, s[i], lo0, hi0);
+    dequant(w0[i + 1], w1[i + 1], sel, s[i + 1], lo1, hi1);
+    const unsigned a_lo[4] = {lo0[0], lo1[0], lo0[1], lo1[1]};
+    const unsigned a_hi[4] = {hi0[0], hi1[0], hi0[1], hi1[1]};
+    mma(acc[i / 2], a_lo, b_lo);
+    mma(acc[i / 2], a_hi, b_hi);
+  }
+}
+
+// block_mma, or (SW) block_mma_sw
+template <bool ROWS16, int NT, bool SW>
+__device__ __forceinline__ void block_any(float acc[NT][4], const float2* p, unsigned sel,
+                                          const unsigned w0[NT], const unsigned w1[NT],
+                                          const unsigned s[NT]) {
+  if constexpr (SW) {
+    static_assert(!ROWS16, "the swapped registers take <= 8 rows");
+    block_mma_sw<NT>(acc, p, sel, w0, w1, s);
+  } else {
+    block_mma<ROWS16, NT>(acc, p, sel, w0, w1, s);
+  }
+}
+
 // split sp's K range [k_lo, k_hi) of S splits: whole k steps of 64, as q4_layout.split_count
 // and the Triton programs cut them
 __device__ __forceinline__ void split_k(int K, int S, int sp, int& k_lo, int& k_hi) {
@@ -222,7 +262,8 @@ __device__ __forceinline__ void lane_bytes(int c, unsigned& sel, int& word) {
 // acc += the split [k_lo, k_hi) of the 8 NT columns from n0, its blocks through a ring of D
 // register slots: D blocks' loads (weights and x) in flight ahead of the MMAs, which take the
 // blocks in ascending order. nb % D == 0 (the host picks D); the last round only computes.
-template <bool ROWS16, int NT, int D, typename XT>
+// SW: the MMAs with swapped operands (block_mma_sw).
+template <bool ROWS16, int NT, int D, bool SW = false, typename XT>
 __device__ __forceinline__ void ring_acc(float acc[NT][4], const unsigned char* __restrict__ qs,
                                          const unsigned* __restrict__ sm, const XT* x0,
                                          const XT* x1, bool v0, bool v1, int N, int k_lo,
@@ -249,14 +290,14 @@ __device__ __forceinline__ void ring_acc(float acc[NT][4], const unsigned char* 
   for (int r = D; r < nb; r += D) {
 #pragma unroll
     for (int j = 0; j < D; ++j) {
-      block_mma<ROWS16, NT>(acc, xp[j], sel, w0[j], w1[j], wsm[j]);
+      block_any<ROWS16, NT, SW>(acc, xp[j], sel, w0[j], w1[j], wsm[j]);
       load_block<NT>(wb, sb, w0[j], w1[j], wsm[j]);
       load_x<ROWS16>(xa, xb, v0, v1, 0, c, xp[j]);
       wb += wstep; sb += N; xa += 32; xb += 32;
     }
   }
 #pragma unroll
-  for (int j = 0; j < D; ++j) block_mma<ROWS16, NT>(acc, xp[j], sel, w0[j], w1[j], wsm[j]);
+  for (int j = 0; j < D; ++j) block_any<ROWS16, NT, SW>(acc, xp[j], sel, w0[j], w1[j], wsm[j]);
 }
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
@@ -593,8 +634,9 @@ __device__ __forceinline__ void q4_swap(const float* __restrict__ x, const unsig
 // order 0..S-1 through shared memory (no ticket, no partials in global memory) and the residual
 // added: q4_split's arithmetic in q4_split's order, so its bits. grid (N / (8 NT), 1,
 // cdiv(M, 16)); block 32 S; dynamic shared memory S x 16 x 8 NT floats.
-// (cta_partials: up to the split partials in shared memory, after the CTA's barrier)
-template <bool ROWS16, int NT, int D>
+// (cta_partials: up to the split partials in shared memory, after the CTA's barrier; SW: the
+// swapped registers, block_mma_sw)
+template <bool ROWS16, int NT, int D, bool SW = false>
 __device__ __forceinline__ float* cta_partials(const float* __restrict__ x,
                                                const unsigned char* __restrict__ qs,
                                                const unsigned* __restrict__ sm, int M, int N,
@@ -615,25 +657,35 @@ __device__ __forceinline__ float* cta_partials(const float* __restrict__ x,
   float acc[NT][4];
 #pragma unroll
   for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-  ring_acc<ROWS16, NT, D>(acc, qs, sm, x0, x1, v0, v1, N, k_lo, k_hi, n0, g, c, word, sel);
+  ring_acc<ROWS16, NT, D, SW>(acc, qs, sm, x0, x1, v0, v1, N, k_lo, k_hi, n0, g, c, word, sel);
   float* mine = part + sp * 16 * C;
+  if constexpr (SW) {  // rows 2c, 2c + 1 of columns 8i + g and 8i + 8 + g
 #pragma unroll
-  for (int i = 0; i < NT; ++i) {
-    const int cc = 8 * i + 2 * c;
-    *reinterpret_cast<float2*>(mine + g * C + cc) = make_float2(acc[i][0], acc[i][1]);
-    *reinterpret_cast<float2*>(mine + (g + 8) * C + cc) = make_float2(acc[i][2], acc[i][3]);
+    for (int i = 0; i < NT; i += 2) {
+      mine[2 * c * C + 8 * i + g] = acc[i / 2][0];
+      mine[(2 * c + 1) * C + 8 * i + g] = acc[i / 2][1];
+      mine[2 * c * C + 8 * i + 8 + g] = acc[i / 2][2];
+      mine[(2 * c + 1) * C + 8 * i + 8 + g] = acc[i / 2][3];
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+      const int cc = 8 * i + 2 * c;
+      *reinterpret_cast<float2*>(mine + g * C + cc) = make_float2(acc[i][0], acc[i][1]);
+      *reinterpret_cast<float2*>(mine + (g + 8) * C + cc) = make_float2(acc[i][2], acc[i][3]);
+    }
   }
   __syncthreads();
   return part;
 }
 
-template <bool ROWS16, int NT, int D>
+template <bool ROWS16, int NT, int D, bool SW = false>
 __device__ __forceinline__ void q4_cta(const float* __restrict__ x, const unsigned char* __restrict__ qs,
                                        const unsigned* __restrict__ sm, const float* __restrict__ res,
                                        float* __restrict__ y, int M, int N, int K, int stride_x,
                                        int stride_res, int stride_y, int S, int has_res) {
   constexpr int C = 8 * NT;
-  const float* part = cta_partials<ROWS16, NT, D>(x, qs, sm, M, N, K, stride_x, S);
+  const float* part = cta_partials<ROWS16, NT, D, SW>(x, qs, sm, M, N, K, stride_x, S);
   const int n0 = blockIdx.x * C, m0 = blockIdx.z * 16;
   for (int e = threadIdx.x; e < 16 * C; e += blockDim.x) {
     const int r = m0 + e / C;
@@ -661,7 +713,7 @@ __device__ __forceinline__ float silu_mul(float g, float u) {
   return r;
 }
 
-template <int NT, int D, bool GATE_UP>
+template <int NT, int D, bool GATE_UP, bool SW = false>
 __device__ __forceinline__ void q4_expert_cta(const void* __restrict__ xv, const int* __restrict__ ids,
                                               const unsigned char* __restrict__ qs,
                                               const unsigned* __restrict__ sm, void* __restrict__ outv,
@@ -690,12 +742,20 @@ __device__ __forceinline__ void q4_expert_cta(const void* __restrict__ xv, const
   for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
   if constexpr (GATE_UP) {
     const float* x0 = reinterpret_cast<const float*>(xv) + (long)(a / topk) * stride_x;
-    ring_acc<false, NT, D>(acc, qe, se, x0, x0, v0, false, N, k_lo, k_hi, n0, g, c, word, sel);
+    ring_acc<false, NT, D, SW>(acc, qe, se, x0, x0, v0, false, N, k_lo, k_hi, n0, g, c, word, sel);
   } else {
     const __half* x0 = reinterpret_cast<const __half*>(xv) + (long)a * stride_x;
-    ring_acc<false, NT, D>(acc, qe, se, x0, x0, v0, false, N, k_lo, k_hi, n0, g, c, word, sel);
+    ring_acc<false, NT, D, SW>(acc, qe, se, x0, x0, v0, false, N, k_lo, k_hi, n0, g, c, word, sel);
   }
-  if (g == 0) {
+  if constexpr (SW) {  // (swapped registers: row 0 of columns 8i + g and 8i + 8 + g)
+    if (c == 0) {
+#pragma unroll
+      for (int i = 0; i < NT; i += 2) {
+        part[sp * C + 8 * i + g] = acc[i / 2][0];
+        part[sp * C + 8 * i + 8 + g] = acc[i / 2][2];
+      }
+    }
+  } else if (g == 0) {
 #pragma unroll
     for (int i = 0; i < NT; ++i)
       *reinterpret_cast<float2*>(part + sp * C + 8 * i + 2 * c) = make_float2(acc[i][0], acc[i][1]);
@@ -725,6 +785,13 @@ __device__ __forceinline__ void q4_expert_cta(const void* __restrict__ xv, const
                           int stride_out, int S, int topk, int early) { \
     q4_expert_cta<NT, D, GU>(x, ids, qs, sm, out, N, K, stride_x, stride_out, S, topk, \
                              GU ? 0 : early); }
+// the same with the swapped registers (SW, block_mma_sw): q4_es{KIND}{NT}_d{D}, NT even
+#define Q4_EXPERT_SW(KIND, GU, NT, D) extern "C" __global__ void __launch_bounds__(256, 1) \
+    q4_es##KIND##NT##_d##D(const void* x, const int* ids, const unsigned char* qs, \
+                           const unsigned* sm, void* out, int N, int K, int stride_x, \
+                           int stride_out, int S, int topk, int early) { \
+    q4_expert_cta<NT, D, GU, true>(x, ids, qs, sm, out, N, K, stride_x, stride_out, S, topk, \
+                                   GU ? 0 : early); }
 #define Q4_EXPERTS(KIND, GU) Q4_EXPERT(KIND, GU, 1, 2) Q4_EXPERT(KIND, GU, 1, 4) \
     Q4_EXPERT(KIND, GU, 1, 8) Q4_EXPERT(KIND, GU, 2, 2) Q4_EXPERT(KIND, GU, 2, 4) \
     Q4_EXPERT(KIND, GU, 2, 8) Q4_EXPERT(KIND, GU, 4, 2) Q4_EXPERT(KIND, GU, 4, 4)
@@ -747,6 +814,14 @@ __device__ __forceinline__ void q4_expert_cta(const void* __restrict__ xv, const
 #define Q4_CTA(ROWS, NT, D) extern "C" __global__ void __launch_bounds__(256, 1) \
     q4_cta##ROWS##_##NT##_d##D(Q4_ARGS) { \
     q4_cta<ROWS == 16, NT, D>(x, qs, sm, res, y, M, N, K, stride_x, stride_res, stride_y, S, has_res); }
+// the CTA form at <= 8 rows with the swapped registers (SW, block_mma_sw): q4_ctas8_{NT}_d{D},
+// NT even, and the 512-thread q4_ctaws8_{NT}_d{D}
+#define Q4_CTAS(NT, D) extern "C" __global__ void __launch_bounds__(256, 1) \
+    q4_ctas8_##NT##_d##D(Q4_ARGS) { \
+    q4_cta<false, NT, D, true>(x, qs, sm, res, y, M, N, K, stride_x, stride_res, stride_y, S, has_res); }
+#define Q4_CTAWS(NT, D) extern "C" __global__ void __launch_bounds__(512, 1) \
+    q4_ctaws8_##NT##_d##D(Q4_ARGS) { \
+    q4_cta<false, NT, D, true>(x, qs, sm, res, y, M, N, K, stride_x, stride_res, stride_y, S, has_res); }
 // 9-16 splits (the router's 16): 512 threads a CTA, the rings that fit 128 registers unspilled
 #define Q4_CTAW(ROWS, NT, D) extern "C" __global__ void __launch_bounds__(512, 1) \
     q4_ctaw##ROWS##_##NT##_d##D(Q4_ARGS) { \
@@ -773,6 +848,12 @@ Q4_ENTRY(8, 1, 0) Q4_ENTRY(8, 2, 0) Q4_ENTRY(8, 4, 0) Q4_ENTRY(16, 1, 0) Q4_ENTR
 extern "C" __global__ void q4_probe1(Q4_ARGS) { q4_split<false, 2, 0, 1>(Q4_PASS); }
 extern "C" __global__ void q4_probe2(Q4_ARGS) { q4_split<false, 2, 0, 2>(Q4_PASS); }
 extern "C" __global__ void q4_probe3(Q4_ARGS) { q4_split<false, 2, 0, 3>(Q4_PASS); }
+// the CTA forms at <= 8 rows with the swapped registers (SWAP_REGS; one-row experts and linear)
+Q4_EXPERT_SW(gu, true, 2, 2) Q4_EXPERT_SW(gu, true, 2, 4) Q4_EXPERT_SW(gu, true, 2, 8)
+Q4_EXPERT_SW(gu, true, 4, 2) Q4_EXPERT_SW(gu, true, 4, 4)
+Q4_EXPERT_SW(dn, false, 2, 2) Q4_EXPERT_SW(dn, false, 2, 4) Q4_EXPERT_SW(dn, false, 2, 8)
+Q4_EXPERT_SW(dn, false, 4, 2) Q4_EXPERT_SW(dn, false, 4, 4)
+Q4_CTAS(2, 2) Q4_CTAS(2, 4) Q4_CTAS(2, 8) Q4_CTAS(4, 2) Q4_CTAS(4, 4) Q4_CTAWS(2, 2)
 """
 # the swapped form's (MT, NG, W) instances
 SWAP_FORMS = tuple((mt, ng, w) for mt in (1, 2) for ng in (2, 4, 8) for w in (4, 8))
@@ -875,6 +956,12 @@ EXTRA_ENTRIES = tuple(f"q4_split{rows}_{cols // 8}_d{d}".encode()
                       for rows in (8, 16) for cols in (8, 16, 32) for d in (0, 2, 4, 8)
                       if cols * d <= 128 and (d < 8 or rows == 8))
 EXTRA_ENTRIES += tuple(f"q4_swap{mt}_{ng}_w{w}".encode() for mt, ng, w in SWAP_FORMS) + PROBES
+# the CTA forms with the swapped registers (SWAP_REGS): 16 or 32 columns a warp, <= 8 rows
+SW_FORMS = tuple((cols, d) for cols in (16, 32) for d in (2, 4, 8) if cols * d <= 128)
+EXTRA_ENTRIES += tuple(f"q4_es{kind}{cols // 8}_d{d}".encode() for kind in ("gu", "dn")
+                       for cols, d in SW_FORMS)
+EXTRA_ENTRIES += tuple(f"q4_ctas8_{cols // 8}_d{d}".encode() for cols, d in SW_FORMS)
+EXTRA_ENTRIES += (b"q4_ctaws8_2_d2",)
 EXTRA_ENTRIES += cuda_attention.ENTRIES
 STREAM = 0  # the depth that names the other form: the warp's split streamed into shared memory
 COLS = 16  # columns a warp by default (the fastest at 1-8 rows of qkv, GPU_NOTES v15)
@@ -905,6 +992,12 @@ EXPERT_DEPTH = 4  # ... and blocks in flight (register ring slots; fewer where a
 # default since v21 (with triton_pdl.EARLY_INPUTS: above); False: after the wait
 # (bench/ab_modes.py `noeidsfirst`)
 EXPERT_EARLY = True
+# the CTA forms at <= 8 rows (the linear at 16 / 32 columns a warp, the one-row experts) with
+# the MMA's operands swapped (block_mma_sw): the weights as A, 16 columns an MMA with no zero
+# registers, x as B, half the MMAs: the same products in the same order, so (the swapped
+# form's GPU reading, v15-v16) the same bits. Off: not measured yet (bench/ab_modes.py
+# `swregs`); its entries are in the extra module
+SWAP_REGS = False
 _BIG_SMEM: set = set()  # kernels given more than 48 KB of dynamic shared memory
 _TICKETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Q4Linear → {key: tickets}
 
@@ -1073,7 +1166,8 @@ def _cta_linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
     rows = 16 if n > 8 else 8
     wide, depth = _cta_plan(lin, rows, cols, depth, chosen)
     res = residual if residual is not None else out
-    fn = fns[f"q4_cta{'w' if wide else ''}{rows}_{cols // 8}_d{depth}".encode()]
+    sw = "s" if SWAP_REGS and rows == 8 and cols > 8 and (not wide or (cols, depth) == (16, 2)) else ""
+    fn = fns[f"q4_cta{'w' if wide else ''}{sw}{rows}_{cols // 8}_d{depth}".encode()]
     _launch(cuda, fn, (big_n // cols, 1, -(-n // 16)), 32 * lin.split, lin.split * 16 * cols * 4,
             (x, lin.qs, sm, res, out, out, sm),
             (n, big_n, k, x.stride(0), res.stride(0), out.stride(0), lin.split,
@@ -1135,7 +1229,8 @@ def experts_direct(x: torch.Tensor, ids: torch.Tensor, experts, inter: torch.Ten
         d = depth
         while blocks % d:
             d //= 2
-        _launch(cuda, fns[f"q4_e{kind}{cols // 8}_d{d}".encode()], (n // cols, t * top_k, 1),
+        sw = "s" if SWAP_REGS and cols > 8 else ""
+        _launch(cuda, fns[f"q4_e{sw}{kind}{cols // 8}_d{d}".encode()], (n // cols, t * top_k, 1),
                 32 * split, split * cols * 4, (src, ids, w, s.view(torch.int32), dst),
                 (n, k, src.stride(0), dst.stride(0), split, top_k, int(EXPERT_EARLY)))
 

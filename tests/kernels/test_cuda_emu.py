@@ -99,6 +99,58 @@ def test_the_direct_experts_on_the_emulator(emu):
     assert cuda_q4._launch is real
 
 
+@pytest.mark.parametrize("cols", [16, 32])
+def test_the_swapped_registers_give_the_cta_forms_bits_on_the_emulator(emu, monkeypatch, cols):
+    """cuda_q4.SWAP_REGS (block_mma_sw: the weights as the MMA's A, 16 columns an MMA, x as B)
+    at 1-8 rows of the linear, 1-16 splits (above 8 the 512-thread form), with and without the
+    residual, and in the one-row experts: every output written, the CTA forms' bits. The
+    emulator's MMA sums an output's 16 products in k order whichever operand holds them, as the
+    GPU measured the swapped form doing (GPU_NOTES v15-v16); a wrong fragment, column or row
+    index in the swapped path differs."""
+    import dataclasses
+
+    from kernels import moe_layout, triton_linear
+    from kernels.linear import quantize_q4
+    g = torch.Generator().manual_seed(cols)
+    n, k = 128, 1024
+    base = triton_linear.to_gpu_format(quantize_q4(torch.randn(n, k, generator=g)))
+    x, res = torch.randn(8, k, generator=g), torch.randn(8, n, generator=g)
+    names, real = [], cuda_q4._launch
+    with cuda_emu.emulated(emu):  # (its launcher, the entries' names recorded; restored after)
+        emu_launch = cuda_q4._launch
+        cuda_q4._launch = lambda cuda, fn, *a: (names.append(fn), emu_launch(cuda, fn, *a))
+        for split in (1, 2, 8, 16) if cols == 16 else (1, 2, 8):
+            lin = dataclasses.replace(base, split=split)
+            for rows, with_res in ((1, True), (5, False), (8, True)):
+                r = res[:rows] if with_res else None
+                got = {}
+                for sw in (False, True):
+                    monkeypatch.setattr(cuda_q4, "SWAP_REGS", sw)
+                    got[sw] = cuda_q4.linear(lin, x[:rows], torch.full((rows, n), float("nan")), r,
+                                             cols=cols, depth=128 // cols, cta=True)
+                assert not got[True].isnan().any(), (split, rows)
+                assert torch.equal(got[True], got[False]), (split, rows)
+        e, h, i, topk = 4, 256, 128, 2
+        experts = tuple((quantize_q4(torch.randn(2 * i, h, generator=g)),
+                         quantize_q4(torch.randn(h, i, generator=g))) for _ in range(e))
+        st = moe_layout.StackedExperts.stack(experts, programs=8)
+        xe = torch.randn(3, h, generator=g)
+        ids = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(3)]).int().contiguous()
+        got = {}
+        for sw in (False, True):
+            monkeypatch.setattr(cuda_q4, "SWAP_REGS", sw)
+            inter = torch.full((3 * topk, i), float("nan")).half()
+            y = torch.full((3 * topk, h), float("nan"))
+            cuda_q4.experts_direct(xe, ids, st, inter, y, cols=cols)
+            got[sw] = inter, y
+        assert not got[True][1].isnan().any()
+        assert torch.equal(got[True][0], got[False][0]) and torch.equal(got[True][1], got[False][1])
+    assert cuda_q4._launch is real
+    want = {"q4_ctas8_2_d8", "q4_ctaws8_2_d2", "q4_esgu2_d4", "q4_esdn2_d2"} if cols == 16 else \
+        {"q4_ctas8_4_d4", "q4_esgu4_d4", "q4_esdn4_d2"}
+    assert want <= set(names), sorted(set(names))
+
+
 # a thread block cluster's primitives as the emulator rewrites them: the CTA's rank, the
 # cluster barrier, mapa, and loads / stores into another CTA's shared memory
 CLUSTER_KERNEL = r"""

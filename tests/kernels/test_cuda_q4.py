@@ -151,10 +151,11 @@ def test_the_cuda_q4_kernel_gives_the_decode_tile_bits(n, k):
 @pytest.mark.parametrize("n,k,programs", [(5120, 2048, 256), (5120, 2048, 1024), (2048, 4096, 256),
                                           (128 * 37, 2048, 512), (128, 2048, 16), (128, 2048, 256),
                                           (2048, 4096, 1024)])
-def test_the_cta_form_gives_the_decode_tile_bits(n, k, programs):
+def test_the_cta_form_gives_the_decode_tile_bits(monkeypatch, n, k, programs):
     """q4_cta (a CTA a column tile's splits, merged in shared memory): the split programs'
     bits at 1-40 rows (one and several row tiles), with and without the residual, for split
-    counts of 1-16 (the weights re-split for `programs`; above 8 the 512-thread entries)."""
+    counts of 1-16 (the weights re-split for `programs`; above 8 the 512-thread entries); at
+    1-8 rows of 16 or 32 columns a warp also with the MMA's operands swapped (SWAP_REGS)."""
     from bench.kernel_bench import rand_q4
     from kernels import q4_layout, triton_q4
 
@@ -167,13 +168,15 @@ def test_the_cta_form_gives_the_decode_tile_bits(n, k, programs):
         res = torch.randn(m, n, generator=g, device="cuda")
         want = triton_q4.linear(lin, x, nan(m), res, tile=q4_layout.LINEAR_TILE, seq=False)
         bare = triton_q4.linear(lin, x, nan(m), tile=q4_layout.LINEAR_TILE, seq=False)
-        for cols, depth in ((8, 8), (16, 8), (16, 4), (32, 4), (8, 2)):
-            if n % cols or not cuda_q4.cta_takes(lin, cols):
+        for cols, depth, sw in ((8, 8, False), (16, 8, False), (16, 4, False), (32, 4, False),
+                                (8, 2, False), (16, 8, True), (16, 2, True), (32, 4, True)):
+            if n % cols or not cuda_q4.cta_takes(lin, cols) or (sw and m > 8):
                 continue
+            monkeypatch.setattr(cuda_q4, "SWAP_REGS", sw)
             got = cuda_q4.linear(lin, x, nan(m), res, cols=cols, depth=depth, cta=True)
-            assert torch.equal(got, want), (m, cols, depth, lin.split, float((got - want).abs().max()))
+            assert torch.equal(got, want), (m, cols, depth, sw, lin.split, float((got - want).abs().max()))
             got = cuda_q4.linear(lin, x, nan(m), cols=cols, depth=depth, cta=True)
-            assert torch.equal(got, bare), (m, cols, depth, lin.split)
+            assert torch.equal(got, bare), (m, cols, depth, sw, lin.split)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -280,8 +283,8 @@ def test_the_direct_experts_in_the_cta_form_give_the_split_programs_bits(monkeyp
                                                                           experts):
     """cuda_q4.experts_direct (triton_moe.CUDA_MAX_TOKENS): inter (SiLU·up in fp16, through
     Triton's own PTX for it) and y equal to the direct split programs' at 1-8 tokens, at
-    several columns a warp and ring depths, split counts 4-8, and with down's ids read before
-    its PDL wait (EXPERT_EARLY)."""
+    several columns a warp and ring depths, split counts 4-8, with down's ids read before
+    its PDL wait (EXPERT_EARLY), and with the MMA's operands swapped (SWAP_REGS)."""
     from bench.kernel_bench import rand_q4
     from kernels import moe_layout, triton_moe
 
@@ -298,8 +301,11 @@ def test_the_direct_experts_in_the_cta_form_give_the_split_programs_bits(monkeyp
         triton_moe.experts_forward(x, ids, st, want_i, want_y)
         assert not want_y.isnan().any()
         monkeypatch.setattr(triton_moe, "CUDA_MAX_TOKENS", 8)
-        for cols, depth, early in ((16, 4, False), (8, 8, False), (32, 4, False), (16, 2, False),
-                                   (16, 4, True)):
+        for cols, depth, early, sw in ((16, 4, False, False), (8, 8, False, False),
+                                       (32, 4, False, False), (16, 2, False, False),
+                                       (16, 4, True, False), (16, 4, True, True),
+                                       (16, 8, False, True), (32, 4, True, True)):
+            monkeypatch.setattr(cuda_q4, "SWAP_REGS", sw)
             monkeypatch.setattr(cuda_q4, "EXPERT_COLS", cols)
             monkeypatch.setattr(cuda_q4, "EXPERT_DEPTH", depth)
             monkeypatch.setattr(cuda_q4, "EXPERT_EARLY", early)  # down's ids before the wait
@@ -312,8 +318,8 @@ def test_the_direct_experts_in_the_cta_form_give_the_split_programs_bits(monkeyp
             triton_moe.experts_forward(x, ids, st, got_i, got_y)
             monkeypatch.setattr(cuda_q4, "experts_direct", real)
             assert calls, "the CTA form should have run"
-            assert torch.equal(got_i, want_i), (t, cols, depth, "inter")
-            assert torch.equal(got_y, want_y), (t, cols, depth, float((got_y - want_y).abs().max()))
+            assert torch.equal(got_i, want_i), (t, cols, depth, sw, "inter")
+            assert torch.equal(got_y, want_y), (t, cols, depth, sw, float((got_y - want_y).abs().max()))
 
 
 def test_the_ptx_is_compiled_once_and_kept_on_disk(monkeypatch, tmp_path):
