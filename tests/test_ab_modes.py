@@ -20,12 +20,14 @@ def _knobs(mode: str, expr: str) -> list[str]:
     return out.stdout.split()
 
 
-@pytest.mark.parametrize("mode,want", [("pdl", "8 16384 16 8 True"),
-                                       ("pdl_cuda16_cudacols32_cudastream_cudan200000", "16 200000 32 0 True"),
-                                       ("pdl_nocuda_cudacols8_cudad4_nocta", "None 16384 8 4 False")])
+@pytest.mark.parametrize("mode,want", [("pdl", "8 16384 16 8 True False True"),
+                                       ("pdl_cuda16_cudacols32_cudastream_cudan200000",
+                                        "16 200000 32 0 True False True"),
+                                       ("pdl_nocuda_cudacols8_cudad4_nocta", "None 16384 8 4 False False True"),
+                                       ("pdl_swregs_nofillcols", "8 16384 16 8 True True False")])
 def test_the_cuda_modes_route_rows_to_the_cuda_kernel(mode, want):
     assert _knobs(mode, "triton_linear.CUDA_MAX_ROWS, triton_linear.CUDA_MAX_N, cuda_q4.COLS, "
-                        "cuda_q4.DEPTH, cuda_q4.CTA") == want.split()
+                        "cuda_q4.DEPTH, cuda_q4.CTA, cuda_q4.SWAP_REGS, cuda_q4.FILL_COLS") == want.split()
 
 
 @pytest.mark.parametrize("mode,want", [("pdl", "None 2 4"), ("pdl_csw16_cswmt1_csww8", "16 1 8"),
