@@ -42,6 +42,10 @@ reads for qkv at 64 rows) and wins only on the lm_head (16 rows: 86 against 102 
 experiments (`CTA` off, `triton_linear.CUDA_SWAP_MIN_ROWS`); PROBES time the split programs'
 parts (loads alone, no merge, two accumulator chains).
 
+At <= 8 rows the CTA forms can also run with the MMA's operands swapped in registers
+(`SWAP_REGS`, off until measured; `block_mma_sw`): the weights as A (16 columns an MMA, no
+zero rows), x as B — the same products in the same order, half the MMAs (GPU_NOTES v28).
+
 Launched (`PDL`, on by default) with programmatic dependent launch where the Triton kernels
 are (kernels/triton_pdl.py): a kernel is scheduled while its predecessor ends, issues its
 ring's first weight loads (no kernel writes the weights), and only then waits (`pdl_wait`)
