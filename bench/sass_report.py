@@ -8,6 +8,7 @@ straight into the MMA operand layout.
 
     python -m bench.sass_report 16x64x64w1s3 64x64x64w4s3t [--attention]
     python -m bench.sass_report --experts 16x64x64w1s3r128,16x64x64w1s2r96   # occupancy
+    python -m bench.sass_report --cuda q4_egu2_d4,q4_esgu2_d4   # kernels/cuda_q4.py entries
 """
 
 from __future__ import annotations
@@ -134,13 +135,29 @@ def occupancy(cubin: bytes, shared: int, warps: int) -> tuple[int, int, int]:
     return regs, shared, min(by_regs, by_smem, 32, 64 // warps) * warps
 
 
-def _cuobjdump(cubin: bytes, flag: str) -> str:
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+def _tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def _cuobjdump(cubin: bytes, *flags: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([tool, flag, f.name], capture_output=True, text=True,
+        return subprocess.run([_tool("cuobjdump"), *flags, f.name], capture_output=True, text=True,
                               check=True).stdout
+
+
+def cuda_cubin(part: str) -> bytes:
+    """kernels/cuda_q4.py's module `part` (core / extra) for sm_90: NVRTC's PTX through ptxas."""
+    from kernels import cuda_q4
+
+    with tempfile.TemporaryDirectory() as d:
+        src, out = os.path.join(d, "m.ptx"), os.path.join(d, "m.cubin")
+        with open(src, "wb") as f:
+            f.write(cuda_q4.ptx("compute_90", part=part))
+        subprocess.run([_tool("ptxas"), "-arch=sm_90", src, "-o", out], check=True)
+        with open(out, "rb") as f:
+            return f.read()
 
 
 def sass(cubin: bytes) -> str:
@@ -152,7 +169,12 @@ def registers(cubin: bytes) -> int:
 
 
 def loop_report(tile: Q4Tile) -> LoopReport:
-    lines = [ln for ln in sass(compile_q4_linear(tile).asm["cubin"]).splitlines() if _ADDR.match(ln)]
+    return _mma_loop(tile, sass(compile_q4_linear(tile).asm["cubin"]))
+
+
+def _mma_loop(tile, text: str) -> LoopReport:
+    """The innermost loop holding the MMAs of one kernel's SASS `text`: its instructions by op."""
+    lines = [ln for ln in text.splitlines() if _ADDR.match(ln)]
     addr = [int(_ADDR.match(ln).group(1), 16) for ln in lines]
     spans = []  # backward branches: (target, branch) address ranges
     for a, ln in zip(addr, lines):
@@ -169,20 +191,49 @@ def loop_report(tile: Q4Tile) -> LoopReport:
         m = re.search(r"\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", ln)
         if m:
             op = m.group(2)
-            ops[op if op.startswith("LDG") else op.split(".")[0]] += 1
+            ops[op if op.startswith(("LDG", "IMAD.MOV")) else op.split(".")[0]] += 1
     return LoopReport(tile, len(lines), len(body), ops)
+
+
+def cuda_reports(entries: list[str]) -> dict[str, tuple[LoopReport, int]]:
+    """{entry: (its MMA loop's report, registers)} for kernels/cuda_q4.py entries (either module)."""
+    from kernels import cuda_q4
+
+    out = {}
+    for part, names in (("core", cuda_q4.ENTRIES), ("extra", cuda_q4.EXTRA_ENTRIES)):
+        mine = [e for e in entries if e.encode() in names]
+        if not mine:
+            continue
+        cubin = cuda_cubin(part)
+        for e in mine:
+            regs = int(re.search(r"REG:(\d+)", _cuobjdump(cubin, "-res-usage", "-fun", e)).group(1))
+            out[e] = (_mma_loop(None, _cuobjdump(cubin, "-sass", "-fun", e)), regs)
+    missing = set(entries) - set(out)
+    if missing:
+        raise SystemExit(f"no such cuda_q4 entries: {sorted(missing)}")
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("tiles", nargs="*", default=[q4_layout.LINEAR_TILE.name])
+    ap.add_argument("tiles", nargs="*",
+                    help="q4 decode tiles (default: the engine's, unless another report is asked)")
     ap.add_argument("--attention", action="store_true",
                     help="also the paged attention split kernel: instructions, cp.async, registers")
     ap.add_argument("--experts", default="",
                     help="expert kernels' registers, shared memory and warps an SM for these "
                          "tiles, each optionally ending rN (a register cap), e.g. "
                          "16x64x64w1s3r128,16x64x64w1s2r96")
+    ap.add_argument("--cuda", default="",
+                    help="kernels/cuda_q4.py entries (comma-separated): the MMA loop's "
+                         "instructions by op, and registers")
     args = ap.parse_args()
+    for e, (r, regs) in cuda_reports([e for e in args.cuda.split(",") if e]).items():
+        moves = sum(r.ops[o] for o in ("IMAD.MOV.U32", "MOV", "CS2R"))
+        ldg = sum(c for o, c in r.ops.items() if o.startswith("LDG"))
+        print(f"{e}: kernel {r.total} instructions, {regs} registers; MMA loop {r.loop} "
+              f"(HMMA {r.ops['HMMA']}, LDG {ldg}, IMAD/MOV/CS2R {moves})")
+        print("    " + ", ".join(f"{o} {c}" for o, c in r.ops.most_common(12)))
     for spec in [t for t in args.experts.split(",") if t]:
         tile = Q4Tile.parse(spec.split("r")[0])
         cap = int(spec.split("r")[1]) if "r" in spec else None
@@ -198,7 +249,9 @@ def main() -> None:
         lines = [ln for ln in sass(cubin).splitlines() if _ADDR.match(ln)]
         print(f"paged attention (bf16 KV): kernel {len(lines)} instructions, "
               f"{sum('LDGSTS' in ln for ln in lines)} LDGSTS, {registers(cubin)} registers")
-    for spec in args.tiles:
+    tiles = args.tiles or ([] if args.cuda or args.experts or args.attention
+                           else [q4_layout.LINEAR_TILE.name])
+    for spec in tiles:
         r = loop_report(Q4Tile.parse(spec))
         print(f"{spec}: kernel {r.total} instructions, K loop {r.loop} = {r.per_weight:.1f} per "
               f"weight per thread")

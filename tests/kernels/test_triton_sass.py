@@ -89,3 +89,22 @@ def test_early_inputs_are_loaded_before_the_pdl_wait():
         assert before > 0 and after > 0, out  # older inputs before, activations after
     assert counts[("rope", "True")][0] >= 6, out  # position, 4 table halves, weight, slot
 
+
+
+def test_the_swapped_register_cta_forms_run_half_the_mmas_in_a_shorter_loop():
+    """cuda_q4.SWAP_REGS's entries against the CTA forms they replace (bench.sass_report
+    --cuda, NVRTC's PTX through Triton's ptxas): the one-row gate_up and qkv's 1-8 rows at 16
+    columns a warp run half the HMMAs a ring round, in fewer instructions (GPU_NOTES v28:
+    266 → 220 and 526 → 439)."""
+    from tests.kernels.ptxas import HAVE_NVRTC
+    if not HAVE_NVRTC:
+        pytest.skip("needs NVRTC and the CUDA headers")
+    out = _compiled(["-m", "bench.sass_report", "--cuda",
+                     "q4_egu2_d4,q4_esgu2_d4,q4_cta8_2_d8,q4_ctas8_2_d8"])
+    loops = {m[0]: (int(m[1]), int(m[2])) for m in
+             re.findall(r"(q4_\w+): kernel \d+ instructions, \d+ registers; MMA loop (\d+) "
+                        r"\(HMMA (\d+)", out)}
+    assert len(loops) == 4, out
+    for plain, swapped in (("q4_egu2_d4", "q4_esgu2_d4"), ("q4_cta8_2_d8", "q4_ctas8_2_d8")):
+        assert loops[swapped][1] * 2 == loops[plain][1] > 0, out
+        assert loops[swapped][0] < 0.9 * loops[plain][0], out
