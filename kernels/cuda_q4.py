@@ -852,16 +852,15 @@ Q4_ENTRY(8, 1, 0) Q4_ENTRY(8, 2, 0) Q4_ENTRY(8, 4, 0) Q4_ENTRY(16, 1, 0) Q4_ENTR
 extern "C" __global__ void q4_probe1(Q4_ARGS) { q4_split<false, 2, 0, 1>(Q4_PASS); }
 extern "C" __global__ void q4_probe2(Q4_ARGS) { q4_split<false, 2, 0, 2>(Q4_PASS); }
 extern "C" __global__ void q4_probe3(Q4_ARGS) { q4_split<false, 2, 0, 3>(Q4_PASS); }
-// the CTA forms at <= 8 rows with the swapped registers (SWAP_REGS; one-row experts and linear)
-Q4_EXPERT_SW(gu, true, 2, 2) Q4_EXPERT_SW(gu, true, 2, 4) Q4_EXPERT_SW(gu, true, 2, 8)
-Q4_EXPERT_SW(gu, true, 4, 2) Q4_EXPERT_SW(gu, true, 4, 4)
-Q4_EXPERT_SW(dn, false, 2, 2) Q4_EXPERT_SW(dn, false, 2, 4) Q4_EXPERT_SW(dn, false, 2, 8)
-Q4_EXPERT_SW(dn, false, 4, 2) Q4_EXPERT_SW(dn, false, 4, 4)
-Q4_CTAS(2, 2) Q4_CTAS(2, 4) Q4_CTAS(2, 8) Q4_CTAS(4, 2) Q4_CTAS(4, 4) Q4_CTAWS(2, 2)
 """
 # the swapped form's (MT, NG, W) instances
 SWAP_FORMS = tuple((mt, ng, w) for mt in (1, 2) for ng in (2, 4, 8) for w in (4, 8))
 EXTRA += "".join(f"Q4_SWAP({mt}, {ng}, {w})\n" for mt, ng, w in SWAP_FORMS)
+# the CTA forms at <= 8 rows with the swapped registers (SWAP_REGS; the one-row experts and the
+# linear): (columns a warp, depth), and the 512-thread linear at 16 columns, depth 2
+SW_FORMS = tuple((cols, d) for cols in (16, 32) for d in (2, 4, 8) if cols * d <= 128)
+EXTRA += "".join(f"Q4_EXPERT_SW(gu, true, {c // 8}, {d}) Q4_EXPERT_SW(dn, false, {c // 8}, {d}) "
+                 f"Q4_CTAS({c // 8}, {d})\n" for c, d in SW_FORMS) + "Q4_CTAWS(2, 2)\n"
 EXTRA += cuda_attention.SOURCE  # the paged decode attention's entries (kernels/cuda_attention.py)
 PARTS = ("core", "extra")
 
@@ -960,8 +959,6 @@ EXTRA_ENTRIES = tuple(f"q4_split{rows}_{cols // 8}_d{d}".encode()
                       for rows in (8, 16) for cols in (8, 16, 32) for d in (0, 2, 4, 8)
                       if cols * d <= 128 and (d < 8 or rows == 8))
 EXTRA_ENTRIES += tuple(f"q4_swap{mt}_{ng}_w{w}".encode() for mt, ng, w in SWAP_FORMS) + PROBES
-# the CTA forms with the swapped registers (SWAP_REGS): 16 or 32 columns a warp, <= 8 rows
-SW_FORMS = tuple((cols, d) for cols in (16, 32) for d in (2, 4, 8) if cols * d <= 128)
 EXTRA_ENTRIES += tuple(f"q4_es{kind}{cols // 8}_d{d}".encode() for kind in ("gu", "dn")
                        for cols, d in SW_FORMS)
 EXTRA_ENTRIES += tuple(f"q4_ctas8_{cols // 8}_d{d}".encode() for cols, d in SW_FORMS)
