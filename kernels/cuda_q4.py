@@ -1167,7 +1167,7 @@ def _cta_linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
     rows = 16 if n > 8 else 8
     wide, depth = _cta_plan(lin, rows, cols, depth, chosen)
     res = residual if residual is not None else out
-    sw = "s" if SWAP_REGS and rows == 8 and cols > 8 and (not wide or (cols, depth) == (16, 2)) else ""
+    sw = "s" if SWAP_REGS and rows == 8 and cols > 8 else ""  # (wide: 16 columns, depth 2)
     fn = fns[f"q4_cta{'w' if wide else ''}{sw}{rows}_{cols // 8}_d{depth}".encode()]
     _launch(cuda, fn, (big_n // cols, 1, -(-n // 16)), 32 * lin.split, lin.split * 16 * cols * 4,
             (x, lin.qs, sm, res, out, out, sm),

@@ -90,7 +90,6 @@ def test_early_inputs_are_loaded_before_the_pdl_wait():
     assert counts[("rope", "True")][0] >= 6, out  # position, 4 table halves, weight, slot
 
 
-
 def test_the_swapped_register_cta_forms_run_half_the_mmas_in_a_shorter_loop():
     """cuda_q4.SWAP_REGS's entries against the CTA forms they replace (bench.sass_report
     --cuda, NVRTC's PTX through Triton's ptxas): the one-row gate_up and qkv's 1-8 rows at 16
