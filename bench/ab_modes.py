@@ -104,10 +104,9 @@ def apply(mode: str) -> None:
         q4_layout.MAX_PROGRAMS = int(re.search(r'mp([0-9]+)', mode).group(1))
     if re.search(r'maxsplit[0-9]+', mode):  # ... into at most N splits (16)
         q4_layout.MAX_SPLIT = int(re.search(r'maxsplit([0-9]+)', mode).group(1))
-    if re.search(r'attnsplit[0-9]+', mode):  # keys per split of the paged attention (512; other bits)
-        from kernels import triton_attention
-        from replica import memory  # (its estimate of the graphs' attention partials)
-        triton_attention.SPLIT = memory.ATTN_SPLIT = int(re.search(r'attnsplit([0-9]+)', mode).group(1))
+    if re.search(r'attnsplit[0-9]+', mode):  # keys per split of the paged attention (256; other bits)
+        from kernels import triton_attention  # (replica/memory.py's estimates read it too)
+        triton_attention.SPLIT = int(re.search(r'attnsplit([0-9]+)', mode).group(1))
     if re.search(r'hsplit[0-9]+', mode):  # a kv head's query heads dealt over programs (same bits)
         from kernels import triton_attention
         triton_attention.HEAD_SPLIT_PROGRAMS = int(re.search(r'hsplit([0-9]+)', mode).group(1))

@@ -43,8 +43,8 @@ experiments (`CTA` off, `triton_linear.CUDA_SWAP_MIN_ROWS`); PROBES time the spl
 parts (loads alone, no merge, two accumulator chains).
 
 At <= 8 rows the CTA forms can also run with the MMA's operands swapped in registers
-(`SWAP_REGS`, off until measured; `block_mma_sw`): the weights as A (16 columns an MMA, no
-zero rows), x as B — the same products in the same order, half the MMAs (GPU_NOTES v28).
+(`SWAP_REGS`, on; `block_mma_sw`): the weights as A (16 columns an MMA, no zero rows), x as
+B — the same products in the same order, half the MMAs (GPU_NOTES v28; measured in v29).
 
 Launched (`PDL`, on by default) with programmatic dependent launch where the Triton kernels
 are (kernels/triton_pdl.py): a kernel is scheduled while its predecessor ends, issues its
@@ -796,9 +796,7 @@ __device__ __forceinline__ void q4_expert_cta(const void* __restrict__ xv, const
                            int stride_out, int S, int topk, int early) { \
     q4_expert_cta<NT, D, GU, true>(x, ids, qs, sm, out, N, K, stride_x, stride_out, S, topk, \
                                    GU ? 0 : early); }
-#define Q4_EXPERTS(KIND, GU) Q4_EXPERT(KIND, GU, 1, 2) Q4_EXPERT(KIND, GU, 1, 4) \
-    Q4_EXPERT(KIND, GU, 1, 8) Q4_EXPERT(KIND, GU, 2, 2) Q4_EXPERT(KIND, GU, 2, 4) \
-    Q4_EXPERT(KIND, GU, 2, 8) Q4_EXPERT(KIND, GU, 4, 2) Q4_EXPERT(KIND, GU, 4, 4)
+
 
 #define Q4_ARGS const float* __restrict__ x, const unsigned char* __restrict__ qs, \
     const unsigned* __restrict__ sm, const float* __restrict__ res, float* __restrict__ y, \
@@ -834,15 +832,22 @@ __device__ __forceinline__ void q4_expert_cta(const void* __restrict__ xv, const
 # Two modules of SOURCE's kernels: CORE, what the engine launches (the CTA forms of the linear
 # and of the one-token experts), loaded with the kernels; EXTRA, the forms the benches and tests
 # compare (the split programs with their ticket merge, streamed splits, probes, the swapped
-# form: two thirds of the PTX), compiled and loaded on their first launch only.
+# form, the CTA forms with x as A that SWAP_REGS replaces, the CUDA attention: three quarters
+# of the PTX), compiled and loaded on their first launch only.
+# the CTA forms at <= 8 rows with the swapped registers (SWAP_REGS, the default since v29; the
+# one-row experts and the linear): (columns a warp, depth), and the 512-thread linear at 16
+# columns, depth 2; the forms they replace (x as A) are in EXTRA, for `noswregs`
+SW_FORMS = tuple((cols, d) for cols in (16, 32) for d in (2, 4, 8) if cols * d <= 128)
 CORE = r"""
-Q4_EXPERTS(gu, true) Q4_EXPERTS(dn, false)
-Q4_CTA(8, 1, 2) Q4_CTA(8, 1, 4) Q4_CTA(8, 1, 8) Q4_CTA(8, 2, 2) Q4_CTA(8, 2, 4) Q4_CTA(8, 2, 8)
-Q4_CTA(8, 4, 2) Q4_CTA(8, 4, 4) Q4_CTA(16, 1, 2) Q4_CTA(16, 1, 4) Q4_CTA(16, 2, 2)
+Q4_EXPERT(gu, true, 1, 2) Q4_EXPERT(gu, true, 1, 4) Q4_EXPERT(gu, true, 1, 8)
+Q4_EXPERT(dn, false, 1, 2) Q4_EXPERT(dn, false, 1, 4) Q4_EXPERT(dn, false, 1, 8)
+Q4_CTA(8, 1, 2) Q4_CTA(8, 1, 4) Q4_CTA(8, 1, 8) Q4_CTA(16, 1, 2) Q4_CTA(16, 1, 4) Q4_CTA(16, 2, 2)
 Q4_CTA(16, 2, 4) Q4_CTA(16, 4, 2) Q4_CTA(16, 4, 4)
-Q4_CTAW(8, 1, 2) Q4_CTAW(8, 1, 4) Q4_CTAW(8, 1, 8) Q4_CTAW(8, 2, 2) Q4_CTAW(16, 1, 2)
-Q4_CTAW(16, 1, 4) Q4_CTAW(16, 2, 2)
+Q4_CTAW(8, 1, 2) Q4_CTAW(8, 1, 4) Q4_CTAW(8, 1, 8) Q4_CTAW(16, 1, 2) Q4_CTAW(16, 1, 4)
+Q4_CTAW(16, 2, 2) Q4_CTAWS(2, 2)
 """
+CORE += "".join(f"Q4_EXPERT_SW(gu, true, {c // 8}, {d}) Q4_EXPERT_SW(dn, false, {c // 8}, {d}) "
+                f"Q4_CTAS({c // 8}, {d})\n" for c, d in SW_FORMS)
 EXTRA = r"""
 Q4_ROWS(8) Q4_ROWS(16) Q4_ENTRY(8, 1, 8) Q4_ENTRY(8, 2, 8)  // (16 rows at depth 8 spill)
 // depth 0: the split streamed whole into shared memory (stream_acc)
@@ -856,11 +861,8 @@ extern "C" __global__ void q4_probe3(Q4_ARGS) { q4_split<false, 2, 0, 3>(Q4_PASS
 # the swapped form's (MT, NG, W) instances
 SWAP_FORMS = tuple((mt, ng, w) for mt in (1, 2) for ng in (2, 4, 8) for w in (4, 8))
 EXTRA += "".join(f"Q4_SWAP({mt}, {ng}, {w})\n" for mt, ng, w in SWAP_FORMS)
-# the CTA forms at <= 8 rows with the swapped registers (SWAP_REGS; the one-row experts and the
-# linear): (columns a warp, depth), and the 512-thread linear at 16 columns, depth 2
-SW_FORMS = tuple((cols, d) for cols in (16, 32) for d in (2, 4, 8) if cols * d <= 128)
-EXTRA += "".join(f"Q4_EXPERT_SW(gu, true, {c // 8}, {d}) Q4_EXPERT_SW(dn, false, {c // 8}, {d}) "
-                 f"Q4_CTAS({c // 8}, {d})\n" for c, d in SW_FORMS) + "Q4_CTAWS(2, 2)\n"
+EXTRA += "".join(f"Q4_EXPERT(gu, true, {c // 8}, {d}) Q4_EXPERT(dn, false, {c // 8}, {d}) "
+                 f"Q4_CTA(8, {c // 8}, {d})\n" for c, d in SW_FORMS) + "Q4_CTAW(8, 2, 2)\n"
 EXTRA += cuda_attention.SOURCE  # the paged decode attention's entries (kernels/cuda_attention.py)
 PARTS = ("core", "extra")
 
@@ -942,27 +944,37 @@ def _compile(arch: str, source: str) -> bytes:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-# the core module's kernel entries: the experts' and the linear's CTA forms (rows of a launch up
-# to 8 / up to 16 a row tile, x columns a warp = 8 NT)
-ENTRIES = tuple(f"q4_e{kind}{cols // 8}_d{d}".encode() for kind in ("gu", "dn")
-                for cols in (8, 16, 32) for d in (2, 4, 8) if cols * d <= 128)
+# the kernel entries of the experts' and the linear's CTA forms (rows of a launch up to 8 / up to
+# 16 a row tile, x columns a warp = 8 NT): (kind, columns, depth), (rows, columns, depth)
+_EXPERT_FORMS = tuple((kind, cols, d) for kind in ("gu", "dn") for cols in (8, 16, 32)
+                      for d in (2, 4, 8) if cols * d <= 128)
 # the 512-thread CTA form for 9-16 splits: (rows, columns a warp) → the deepest ring it has
 CTAW_DEPTH = {(8, 8): 8, (8, 16): 2, (16, 8): 4, (16, 16): 2}
-ENTRIES += tuple(f"q4_ctaw{rows}_{cols // 8}_d{d}".encode()
-                 for (rows, cols), top in CTAW_DEPTH.items() for d in (2, 4, 8) if d <= top)
-ENTRIES += tuple(f"q4_cta{rows}_{cols // 8}_d{d}".encode()
-                 for rows in (8, 16) for cols in (8, 16, 32) for d in (2, 4, 8)
-                 if cols * d <= 128 and (d < 8 or rows == 8))
-# the extra module's: the split programs (depth 0: streamed), the swapped form and the probes
+_CTAW_FORMS = tuple((rows, cols, d) for (rows, cols), top in CTAW_DEPTH.items()
+                    for d in (2, 4, 8) if d <= top)
+_CTA_FORMS = tuple((rows, cols, d) for rows in (8, 16) for cols in (8, 16, 32) for d in (2, 4, 8)
+                   if cols * d <= 128 and (d < 8 or rows == 8))
+
+
+def _cta_entries(swapped: bool) -> tuple:
+    """The CTA forms' entries at <= 8 rows and more than 8 columns a warp with the swapped
+    registers ("s", SW_FORMS) or without, and the other forms with the first (they have one)."""
+    sw = lambda rows, cols: "s" if swapped and rows == 8 and cols > 8 else ""  # noqa: E731
+    return (tuple(f"q4_e{sw(8, c)}{kind}{c // 8}_d{d}".encode() for kind, c, d in _EXPERT_FORMS)
+            + tuple(f"q4_ctaw{sw(r, c)}{r}_{c // 8}_d{d}".encode() for r, c, d in _CTAW_FORMS)
+            + tuple(f"q4_cta{sw(r, c)}{r}_{c // 8}_d{d}".encode() for r, c, d in _CTA_FORMS))
+
+
+# the core module's: the swapped registers where they apply (the engine's forms)
+ENTRIES = _cta_entries(True)
+# the extra module's: the split programs (depth 0: streamed), the swapped form, the probes and
+# the CTA forms the swapped registers replace
 PROBES = (b"q4_probe1", b"q4_probe2", b"q4_probe3")  # bench only: 16 columns, <= 8 rows, streamed
 EXTRA_ENTRIES = tuple(f"q4_split{rows}_{cols // 8}_d{d}".encode()
                       for rows in (8, 16) for cols in (8, 16, 32) for d in (0, 2, 4, 8)
                       if cols * d <= 128 and (d < 8 or rows == 8))
 EXTRA_ENTRIES += tuple(f"q4_swap{mt}_{ng}_w{w}".encode() for mt, ng, w in SWAP_FORMS) + PROBES
-EXTRA_ENTRIES += tuple(f"q4_es{kind}{cols // 8}_d{d}".encode() for kind in ("gu", "dn")
-                       for cols, d in SW_FORMS)
-EXTRA_ENTRIES += tuple(f"q4_ctas8_{cols // 8}_d{d}".encode() for cols, d in SW_FORMS)
-EXTRA_ENTRIES += (b"q4_ctaws8_2_d2",)
+EXTRA_ENTRIES += tuple(e for e in _cta_entries(False) if e not in ENTRIES)
 EXTRA_ENTRIES += cuda_attention.ENTRIES
 STREAM = 0  # the depth that names the other form: the warp's split streamed into shared memory
 COLS = 16  # columns a warp by default (the fastest at 1-8 rows of qkv, GPU_NOTES v15)
@@ -995,10 +1007,11 @@ EXPERT_DEPTH = 4  # ... and blocks in flight (register ring slots; fewer where a
 EXPERT_EARLY = True
 # the CTA forms at <= 8 rows (the linear at 16 / 32 columns a warp, the one-row experts) with
 # the MMA's operands swapped (block_mma_sw): the weights as A, 16 columns an MMA with no zero
-# registers, x as B, half the MMAs: the same products in the same order, so (the swapped
-# form's GPU reading, v15-v16) the same bits. Off: not measured yet (bench/ab_modes.py
-# `swregs`); its entries are in the extra module
-SWAP_REGS = False
+# registers, x as B, half the MMAs: the same products in the same order, so the same bits (the
+# engine's bitwise sets pass under it, v29). The default since v29 (H100: +0.5-1% at one
+# stream, 64 streams unchanged); False: x as A (bench/ab_modes.py `noswregs`; those entries
+# are in the extra module)
+SWAP_REGS = True
 _BIG_SMEM: set = set()  # kernels given more than 48 KB of dynamic shared memory
 _TICKETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Q4Linear → {key: tickets}
 

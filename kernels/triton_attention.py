@@ -26,7 +26,11 @@ import triton.language as tl
 from kernels import cuda_attention, triton_pdl
 from kernels.triton_pdl import pdl_wait, prefetch_l2, stamp
 
-SPLIT = 512  # keys per split (fixed: a property of the kernel, not of the batch)
+# keys per split (fixed: a property of the kernel, not of the batch). 256 since v29 (H100, one
+# process a mode, against 512: 2,048 x 1 +8.3 to +9.5%, 2,048 x 8 +1.4%, 8,192 x 1 +3.0%;
+# 2,048 x 64 -1.1 to -2.8%, 8,192 x 8 -1.7%; context 128 unchanged): one stream's keys over
+# twice the programs, the merge's cost at many streams
+SPLIT = 256
 BLOCK_N = 32  # keys per inner tile (fp32 K/V); SPLIT % BLOCK_N == 0
 # keys per inner tile of bf16 K/V (a split of fewer keys takes its whole split as the tile).
 # 128 with 4 warps and 2 stages (before: 64, 8 warps, 3 stages; other bits, the same at every

@@ -19,12 +19,13 @@ from replica.scheduler import StepRecord
 from replica.step_inputs import BlockTables, prefill_range
 
 GRAPH_BATCHES = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
-# block-table width buckets: powers of two from here. 32 blocks of the default 16 tokens are
-# 512 keys, one split of the paged attention (memory.ATTN_SPLIT): a narrower table runs the
-# same kernels, so a 16-block bucket only added a capture — every batch's streams crossing
-# 256 tokens stopped for one (H200, 64 streams x 144 new tokens from 128: a 108 ms step, 6% of
-# the run, v21)
-MIN_GRAPH_BLOCKS = 32
+# block-table width buckets: powers of two from here. 16 blocks of the default 16 tokens are
+# 256 keys, one split of the paged attention (kernels/triton_attention.py SPLIT): a wider table
+# launches its merge kernel even where no stream's keys need it (H100, 128 x 1: 484 tok/s at a
+# 32-block bucket, 495 at 16, v29). The next width, the first with two splits, is captured
+# with the narrowest (_capture), so a batch whose streams cross 256 tokens does not stop for a
+# capture (H200, 64 streams x 144 new tokens from 128: a 108 ms step, 6% of the run, v21)
+MIN_GRAPH_BLOCKS = 16
 # A step whose own graph is not captured yet replays the smallest captured graph that holds it
 # (a larger batch bucket, a wider table bucket: its rows are padding, the same bits) instead of
 # stopping every stream for a capture (~0.1 s at the 30B shape: the tail of a burst, streams
@@ -69,9 +70,15 @@ class DecodeGraphs:
     def warm(self, streams: int, table_blocks: int) -> None:
         """Capture the graph a decode step of `streams` streams with tables of `table_blocks`
         blocks will replay, if it is not yet captured (benchmarks: capture outside timing)."""
-        key = self.key_for(min(streams, GRAPH_BATCHES[-1]), table_blocks)
-        if key not in self._graphs:
-            self._graphs[key] = _Graph(self.model, self.kv, *key, self.device)
+        self._capture(self.key_for(min(streams, GRAPH_BATCHES[-1]), table_blocks))
+
+    def _capture(self, key: tuple[int, int]) -> "_Graph":
+        """key's graph, captured now if it is not yet; at the narrowest width, the next
+        width's too (MIN_GRAPH_BLOCKS)."""
+        for k in (key, (key[0], 2 * key[1])) if key[1] == MIN_GRAPH_BLOCKS else (key,):
+            if k not in self._graphs:
+                self._graphs[k] = _Graph(self.model, self.kv, *k, self.device)
+        return self._graphs[key]
 
     @property
     def captured(self) -> set[tuple[int, int]]:
@@ -93,8 +100,7 @@ class DecodeGraphs:
                 bigger = min(holders)  # the fewest rows first (they cost; width hardly)
                 return bigger, self._graphs[bigger]
         self._misses.pop(key, None)
-        g = self._graphs[key] = _Graph(self.model, self.kv, *key, self.device)
-        return key, g
+        return key, self._capture(key)
 
     def capture_missed(self) -> bool:
         """Capture the graph that steps replayed padded into another most often (the engine
@@ -103,8 +109,7 @@ class DecodeGraphs:
             return False
         key = max(self._misses, key=self._misses.__getitem__)
         del self._misses[key]
-        if key not in self._graphs:
-            self._graphs[key] = _Graph(self.model, self.kv, *key, self.device)
+        self._capture(key)
         return True
 
     def launch(self, record: StepRecord, feed_ids: torch.Tensor | None = None

@@ -20,7 +20,6 @@ from replica.models.transformer import ForwardBatch, Transformer
 from replica.graphs import GRAPH_BATCHES, MIN_GRAPH_BLOCKS
 
 log = logging.getLogger("fedserve.engine")
-ATTN_SPLIT = 512  # keys per split of the paged decode kernel (kernels/triton_attention.py)
 
 
 def kv_pool_blocks(config: EngineConfig, model: Transformer, per_block: int) -> int:
@@ -84,6 +83,8 @@ def graph_bytes(cfg: ModelConfig, config: EngineConfig) -> int:
     """An upper bound on what the decode CUDA graphs hold once captured: each (batch bucket,
     table-width bucket) graph keeps its logits and activations, and the attention partials of
     its width (ModelRunner captures them lazily, after the pool exists)."""
+    from kernels import triton_attention  # (its SPLIT: keys a split of the paged decode kernel)
+
     top = next(b for b in GRAPH_BATCHES if b >= min(config.max_running_streams, GRAPH_BATCHES[-1]))
     batches = sum(b for b in GRAPH_BATCHES if b <= top)
     moe = cfg.num_experts_per_tok * (cfg.hidden_size + 2 * cfg.moe_intermediate_size)
@@ -92,7 +93,7 @@ def graph_bytes(cfg: ModelConfig, config: EngineConfig) -> int:
     width, total = MIN_GRAPH_BLOCKS, 0
     max_blocks = -(-cfg.max_position // config.block_size)
     while True:
-        splits = -(-width * config.block_size // ATTN_SPLIT)
+        splits = -(-width * config.block_size // triton_attention.SPLIT)
         partials = 4 * cfg.num_heads * (cfg.head_dim + 2) * splits if splits > 1 else 0
         total += batches * (per_row + partials)
         if width >= max_blocks:
@@ -104,11 +105,11 @@ def prefill_bytes(cfg: ModelConfig, config: EngineConfig) -> int:
     """The tiled prefill's buffers at the longest context (kernels/prefill.py: the stream's
     gathered K and V, its queries and outputs), and the paged kernel's partials for the
     decode rows of an eager step at that context."""
-    from kernels import prefill
+    from kernels import prefill, triton_attention
 
     item = config.kv_torch_dtype.itemsize
     gathered = 2 * (cfg.max_position + prefill.PIECE) * cfg.kv_size * item
     queries = 3 * (config.batch_tokens + 2 * prefill.PIECE) * cfg.q_size * 4
-    splits = -(-cfg.max_position // ATTN_SPLIT)
+    splits = -(-cfg.max_position // triton_attention.SPLIT)
     partials = config.max_running_streams * cfg.num_heads * splits * (cfg.head_dim + 2) * 4
     return gathered + queries + partials

@@ -20,11 +20,12 @@ def _knobs(mode: str, expr: str) -> list[str]:
     return out.stdout.split()
 
 
-@pytest.mark.parametrize("mode,want", [("pdl", "8 16384 16 8 True False True"),
+@pytest.mark.parametrize("mode,want", [("pdl", "8 16384 16 8 True True True"),
                                        ("pdl_cuda16_cudacols32_cudastream_cudan200000",
-                                        "16 200000 32 0 True False True"),
-                                       ("pdl_nocuda_cudacols8_cudad4_nocta", "None 16384 8 4 False False True"),
-                                       ("pdl_swregs_nofillcols", "8 16384 16 8 True True False")])
+                                        "16 200000 32 0 True True True"),
+                                       ("pdl_nocuda_cudacols8_cudad4_nocta", "None 16384 8 4 False True True"),
+                                       ("pdl_swregs_nofillcols", "8 16384 16 8 True True False"),
+                                       ("pdl_noswregs", "8 16384 16 8 True False True")])
 def test_the_cuda_modes_route_rows_to_the_cuda_kernel(mode, want):
     assert _knobs(mode, "triton_linear.CUDA_MAX_ROWS, triton_linear.CUDA_MAX_N, cuda_q4.COLS, "
                         "cuda_q4.DEPTH, cuda_q4.CTA, cuda_q4.SWAP_REGS, cuda_q4.FILL_COLS") == want.split()
@@ -37,13 +38,13 @@ def test_the_swapped_cuda_modes_route_rows_to_the_swapped_form(mode, want):
                         "cuda_q4.SWAP_WARPS") == want.split()
 
 
-@pytest.mark.parametrize("mode,want", [("pdl", "512 512 4 2 0 False 4"),
-                                       ("pdl_attnsplit256_attn4_2", "256 256 4 2 0 False 4"),
-                                       ("pdl_attnprobe3", "512 512 4 2 3 False 4"),
-                                       ("pdl_cudaattn", "512 512 4 2 0 True 4"),
-                                       ("pdl_cudaattn8", "512 512 4 2 0 True 8")])
-def test_the_attention_modes_set_the_kernel_and_the_memory_estimate(mode, want):
-    assert _knobs(mode, "triton_attention.SPLIT, memory.ATTN_SPLIT, triton_attention.WARPS, "
+@pytest.mark.parametrize("mode,want", [("pdl", "256 4 2 0 False 4"),
+                                       ("pdl_attnsplit512_attn4_2", "512 4 2 0 False 4"),
+                                       ("pdl_attnprobe3", "256 4 2 3 False 4"),
+                                       ("pdl_cudaattn", "256 4 2 0 True 4"),
+                                       ("pdl_cudaattn8", "256 4 2 0 True 8")])
+def test_the_attention_modes_set_the_kernel(mode, want):
+    assert _knobs(mode, "triton_attention.SPLIT, triton_attention.WARPS, "
                         "triton_attention.STAGES, triton_attention.PROBE, "
                         "triton_attention.CUDA_ATTENTION, cuda_attention.ATTN_WARPS") == want.split()
 
@@ -96,9 +97,9 @@ def test_the_router_mode_lowers_the_cuda_linears_output_floor(mode, want):
     assert _knobs(mode, "triton_linear.CUDA_MIN_N") == want.split()
 
 
-@pytest.mark.parametrize("mode,want", [("pdl", "None 512 1"), ("pdl_hsplit128", "128 512 1"),
-                                       ("pdl_kvpf", "None 512 1073741824"),
-                                       ("pdl_nokvpf", "None 512 None")])
+@pytest.mark.parametrize("mode,want", [("pdl", "None 256 1"), ("pdl_hsplit128", "128 256 1"),
+                                       ("pdl_kvpf", "None 256 1073741824"),
+                                       ("pdl_nokvpf", "None 256 None")])
 def test_the_head_split_and_prefetch_modes_leave_the_split_alone(mode, want):
     assert _knobs(mode, "triton_attention.HEAD_SPLIT_PROGRAMS, triton_attention.SPLIT, "
                         "triton_attention.PREFETCH_KV") == want.split()

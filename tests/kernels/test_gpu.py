@@ -215,7 +215,7 @@ def test_paged_attention_at_real_shapes_and_bitwise_alone(dtype):
     assert torch.equal(traced, out)
     trace = trace.cpu()
     assert bool((trace[:, 0] > 0).all()) and bool((trace[:, 2] >= trace[:, 0]).all())
-    ran = trace[:, 5] > 0  # the programs whose split has keys: one a kv head per 512 keys
+    ran = trace[:, 5] > 0  # the programs whose split has keys: one a kv head per SPLIT keys
     assert int(ran.sum()) == sum(-(-int(c) // triton_attention.SPLIT) for c in ctx) * kvh
     assert bool((trace[ran, 2:6].diff(dim=1) >= 0).all())
 

@@ -80,6 +80,20 @@ def test_the_smallest_holder_is_chosen_and_idle_time_captures_the_most_used_firs
     assert dg.loads[-1] == ((12, 32), 10)
 
 
+def test_the_narrowest_width_is_captured_with_the_next_so_crossing_it_stops_nothing(dg):
+    """The narrowest table bucket (one attention split: no merge kernel) and the next are
+    captured together: streams crossing MIN_GRAPH_BLOCKS blocks find their graph ready."""
+    narrow, wide = graphs.MIN_GRAPH_BLOCKS, 2 * graphs.MIN_GRAPH_BLOCKS
+    dg.launch(decode_step(3, narrow - 4))
+    assert dg.made == [(4, narrow), (4, wide)] and dg.loads == [((4, narrow), 3)]
+    dg.launch(decode_step(3, narrow + 1))  # its own graph, captured already
+    assert dg.made == [(4, narrow), (4, wide)] and dg.loads[-1] == ((4, wide), 3)
+    dg.launch(decode_step(3, wide + 1))  # a wider one alone
+    assert dg.made[2:] == [(4, 2 * wide)]
+    dg.warm(10, 1)
+    assert dg.made[3:] == [(12, narrow), (12, wide)]
+
+
 def test_an_idle_cpu_engine_has_nothing_to_capture():
     core = EngineCore(EngineConfig(model="synthetic:tiny-llama"))
     assert core.runner.graphs is None and core.idle() is False
