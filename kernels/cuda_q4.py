@@ -797,7 +797,6 @@ __device__ __forceinline__ void q4_expert_cta(const void* __restrict__ xv, const
     q4_expert_cta<NT, D, GU, true>(x, ids, qs, sm, out, N, K, stride_x, stride_out, S, topk, \
                                    GU ? 0 : early); }
 
-
 #define Q4_ARGS const float* __restrict__ x, const unsigned char* __restrict__ qs, \
     const unsigned* __restrict__ sm, const float* __restrict__ res, float* __restrict__ y, \
     float* __restrict__ ws, int* __restrict__ tickets, int M, int N, int K, int stride_x, \
@@ -957,9 +956,10 @@ _CTA_FORMS = tuple((rows, cols, d) for rows in (8, 16) for cols in (8, 16, 32) f
 
 
 def _cta_entries(swapped: bool) -> tuple:
-    """The CTA forms' entries at <= 8 rows and more than 8 columns a warp with the swapped
-    registers ("s", SW_FORMS) or without, and the other forms with the first (they have one)."""
-    sw = lambda rows, cols: "s" if swapped and rows == 8 and cols > 8 else ""  # noqa: E731
+    """The CTA forms' entries: at <= 8 rows and more than 8 columns a warp the swapped
+    registers' ("s", SW_FORMS) if `swapped`, else x as A's; every other form by its one name."""
+    def sw(rows: int, cols: int) -> str:
+        return "s" if swapped and rows == 8 and cols > 8 else ""
     return (tuple(f"q4_e{sw(8, c)}{kind}{c // 8}_d{d}".encode() for kind, c, d in _EXPERT_FORMS)
             + tuple(f"q4_ctaw{sw(r, c)}{r}_{c // 8}_d{d}".encode() for r, c, d in _CTAW_FORMS)
             + tuple(f"q4_cta{sw(r, c)}{r}_{c // 8}_d{d}".encode() for r, c, d in _CTA_FORMS))
