@@ -1008,8 +1008,8 @@ EXPERT_EARLY = True
 # the CTA forms at <= 8 rows (the linear at 16 / 32 columns a warp, the one-row experts) with
 # the MMA's operands swapped (block_mma_sw): the weights as A, 16 columns an MMA with no zero
 # registers, x as B, half the MMAs: the same products in the same order, so the same bits (the
-# engine's bitwise sets pass under it, v29). The default since v29 (H100: +0.5-1% at one
-# stream, 64 streams unchanged); False: x as A (bench/ab_modes.py `noswregs`; those entries
+# engine's bitwise sets pass under it, v29). The default since v29 (H100, one stream: -0.4 to
+# +0.9% at context 128, +1.1-1.4% at 2,048; 64 streams unchanged); False: x as A (bench/ab_modes.py `noswregs`; those entries
 # are in the extra module)
 SWAP_REGS = True
 _BIG_SMEM: set = set()  # kernels given more than 48 KB of dynamic shared memory
