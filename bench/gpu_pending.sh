@@ -8,9 +8,8 @@
 # first table-width bucket at 32 blocks, no stall and 99.3% of the 64-token figure — the H200
 # reading is still owed), then the CUDA attention (`cudaattn`, its chunk loads pipelined since
 # v27's reading; `cudaattn8`: 8 warps a CTA; at v29's 256-key splits, unread) and v21's split
-# counts (`mp256`,
-# the H200 only; `nofillcols`, o at 16 columns a warp, was read beside the defaults on the H100
-# in v25-v27)
+# counts (`mp256`, the H200 only; `nofillcols`, o at 16 columns a warp, was read beside the
+# defaults on the H100 in v25-v27)
 # beside the defaults, with the engine's bitwise sets under a mode that beats them (the judge
 # before it may become a default), then the
 # ablations of v22 at context 128 x 1 / 64 (what a kernel family costs on the one-token chain:

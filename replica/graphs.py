@@ -23,8 +23,9 @@ GRAPH_BATCHES = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
 # 256 keys, one split of the paged attention (kernels/triton_attention.py SPLIT): a wider table
 # launches its merge kernel even where no stream's keys need it (H100, 128 x 1: 484 tok/s at a
 # 32-block bucket, 495 at 16, v29). The next width, the first with two splits, is captured
-# with the narrowest (_capture), so a batch whose streams cross 256 tokens does not stop for a
-# capture (H200, 64 streams x 144 new tokens from 128: a 108 ms step, 6% of the run, v21)
+# with the narrowest (_capture: two captures at a batch bucket's first step where there was
+# one), so a batch whose streams cross 256 tokens does not stop for a capture (H200, 64
+# streams x 144 new tokens from 128: a 108 ms step, 6% of the run, v21)
 MIN_GRAPH_BLOCKS = 16
 # A step whose own graph is not captured yet replays the smallest captured graph that holds it
 # (a larger batch bucket, a wider table bucket: its rows are padding, the same bits) instead of
