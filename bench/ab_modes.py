@@ -53,12 +53,6 @@ def apply(mode: str) -> None:
     if 'swregs' in mode:  # cuda_q4's CTA forms at <= 8 rows with the MMA's operands swapped
         from kernels import cuda_q4  # (SWAP_REGS: the weights as A; noswregs: off)
         cuda_q4.SWAP_REGS = 'noswregs' not in mode
-    if 'cudaattn' in mode:  # the paged attention's split programs as kernels/cuda_attention.py's
-        from kernels import triton_attention  # attn_decode where it fits (nocudaattn: Triton)
-        triton_attention.CUDA_ATTENTION = 'nocudaattn' not in mode
-    if re.search(r'cudaattn[48]', mode):  # ... its warps a CTA
-        from kernels import cuda_attention
-        cuda_attention.ATTN_WARPS = int(re.search(r'cudaattn([48])', mode).group(1))
     if re.search(r'attnprobe[0-9]', mode):  # the attention with parts of its key loop left
         from kernels import triton_attention  # out (PROBE; wrong values but 4: timing only)
         triton_attention.PROBE = int(re.search(r'attnprobe([0-9])', mode).group(1))
@@ -92,6 +86,8 @@ def apply(mode: str) -> None:
         triton_moe.PREFETCH_BLOCKS = None
     elif re.search(r'eprefetch[0-9]+', mode):  # ... or this many blocks of it
         triton_moe.PREFETCH_BLOCKS = int(re.search(r'eprefetch([0-9]+)', mode).group(1))
+    if 'inter32' in mode:  # q4 experts' intermediate in fp32 on the Triton kernels (INTER_F32;
+        triton_moe.INTER_F32 = 'nointer32' not in mode  # nointer32: fp16 everywhere)
     if 'skip' in mode:  # ablations: timing only, the tokens are wrong (see `_skip`)
         _skip(mode)
     if 'fusedmoe' in mode:  # direct experts and combine in one launch (triton_moe.FUSED)

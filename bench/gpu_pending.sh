@@ -1,22 +1,14 @@
 #!/usr/bin/env bash
-# The next session's first device call (kernels/GPU_NOTES.md, v27 "Next"), printing
-# as it goes; every step has its own timeout so a hang costs that step only. It re-checks the
-# kernel bits on whatever machine comes, times the CUDA paged attention beside the Triton kernel
-# (bench/kernel_bench.py --attention-cuda), takes the defaults' baseline at contexts 128 / 2,048 x
-# 1 / 64, measures 64 streams x 144 new tokens from context 128 on the H200 (the issue's
-# no-thrash row: 5,999 tok/s in v21 with a 108 ms capture step; on the H100 in v22, with the
-# first table-width bucket at 32 blocks, no stall and 99.3% of the 64-token figure — the H200
-# reading is still owed), then the CUDA attention (`cudaattn`, its chunk loads pipelined since
-# v27's reading; `cudaattn8`: 8 warps a CTA; at v29's 256-key splits, unread) and v21's split
-# counts (`mp256`, the H200 only; `nofillcols`, o at 16 columns a warp, was read beside the
-# defaults on the H100 in v25-v27)
-# beside the defaults, with the engine's bitwise sets under a mode that beats them (the judge
-# before it may become a default), then the
-# ablations of v22 at context 128 x 1 / 64 (what a kernel family costs on the one-token chain:
-# the attention, the top-k, the experts, the whole MoE, the norms; timing only), Nsight Compute
-# over the one-token kernels, the kernel profile at 1 and 64 streams and the paged attention's
-# phases timed in-kernel (bench/attn_timeline.py, new in v23). Update it when the
-# list changes.
+# The next session's first device call (kernels/GPU_NOTES.md, v30 "Next"), printing as it
+# goes; every step has its own timeout so a hang costs that step only. It re-checks the kernel
+# bits on whatever machine comes, takes the defaults' baseline at contexts 128 / 2,048 x 1 / 64,
+# runs the ab modes of MODES beside them (with the engine's bitwise sets under one that beats
+# them: the judge before it may become a default), then the paged attention's phases timed
+# in-kernel, the q4 linear's row tiles at 16 / 64 rows, the ablations of v22 at context 128 x
+# 1 / 64 (what a kernel family costs on the one-token chain; timing only), Nsight Compute over
+# the one-token kernels and the kernel profile at 1 and 64 streams. T144=1 adds 64 streams x
+# 144 new tokens from context 128 (the issue's no-thrash row: H200 6,345.4 tok/s in v30, 98.6%
+# of the 64-token figure). Update it when the list changes.
 # Usage (on the GPU machine, repo root):   OUT=/some/dir bash bench/gpu_pending.sh
 # (MODES= names ab modes to run beside the defaults; BITWISE_MODES adds the bitwise sets, which
 # also run for any mode of MODES that beats the defaults; BASE_CONTEXT / BASE_STREAMS narrow the
@@ -34,26 +26,19 @@ stamp "bits: cuda_q4 (CTA form, PDL chain in a graph, direct experts), the MoE, 
 timeout 150 python -m pytest -q -n 0 tests/kernels/test_gpu.py \
   -k "moe_at_real or paged_attention_at_real or norms_rope" 2>&1 | tail -3
 
-stamp "the CUDA paged attention (kernels/cuda_attention.py attn_decode, v27) beside the Triton kernel: bits, µs a kernel"
-timeout 150 python -m pytest -q -n 0 tests/kernels/test_gpu.py -k "cuda_attention" 2>&1 | tail -2
-timeout 150 python -m bench.kernel_bench --attention-only --attention-cuda --json "$OUT/attn_cuda.json" 2>&1 \
-  | grep -v Warning
-
 # the defaults (pdl) at the contexts and stream counts of the targets, then the other MODES
 KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=${TAIL:-7} T_ENGINE=${T_ENGINE:-150} ENGINE_MODES="pdl" \
   CONTEXT=${BASE_CONTEXT:-128,2048} STREAMS=${BASE_STREAMS:-1,64} TAG=_base \
   bash bench/gpu_ab.sh 2>&1 | grep -v "^context\|^KV pool"
-# (the H200 reading is the one owed: on another card, only when T144=1)
-if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || [ -n "${T144-}" ]; then
+if [ -n "${T144-}" ]; then
   stamp "64 streams x 144 new tokens from context 128 (the longest step is printed when it stalls)"
   KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=3 T_ENGINE=150 MAX_TOKENS=144 ENGINE_MODES="pdl" CONTEXT=128 STREAMS=64 \
     TAG=_t144 bash bench/gpu_ab.sh 2>&1 | grep -v "^KV pool\|^NVIDIA\|^torch"
 fi
 
-# (mp256, v21's split of qkv in 2, on the H200 only: v22 moved the default to 4 on the H100)
-H200_MODES=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo pdl_mp256)
-KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=${TAIL:-7} T_ENGINE=${T_ENGINE:-150} \
-  ENGINE_MODES="${MODES=$H200_MODES pdl_cudaattn pdl_cudaattn8}" CONTEXT=${BASE_CONTEXT:-128,2048} STREAMS=${BASE_STREAMS:-1,64} TAG=_base \
+MODES=${MODES-}
+[ -n "$MODES" ] && KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=${TAIL:-7} T_ENGINE=${T_ENGINE:-150} \
+  ENGINE_MODES="$MODES" CONTEXT=${BASE_CONTEXT:-128,2048} STREAMS=${BASE_STREAMS:-1,64} TAG=_base \
   bash bench/gpu_ab.sh 2>&1 | grep -v "^context\|^KV pool\|^NVIDIA\|^torch"
 # the fastest mode at 128 x 1, if 1.5% faster than the defaults there (and not 1% slower at
 # 128 x 64), gets the engine's bitwise sets next (the judge before it may become a default;

@@ -198,11 +198,11 @@ def _bench_moe_tile(copy_gbs: float, ts, router, layers, g, mode: str) -> list[d
 
 
 def bench_attention(copy_gbs: float, dtypes=(torch.bfloat16, torch.float32),
-                    splits=(512, 256), launches=(), cuda: bool = False) -> list[dict]:
-    """launches: extra (warps, stages) of the split kernel, bf16 and the default split, each
-    with a bits column against the default launch; cuda: also kernels/cuda_attention.py's attn_decode
-    (triton_attention.CUDA_ATTENTION; other bits: its largest difference from the Triton
-    kernel's output, relative to that output's largest value)."""
+                    splits=(512, 256), launches=()) -> list[dict]:
+    """splits: keys a split, timed in this order; launches: extra (warps, stages) of the split
+    kernel, bf16 and the default split (triton_attention.SPLIT, which must then be the last
+    of splits: the bits column compares against its output), each with a bits column against
+    the default launch."""
     g = torch.Generator(DEV).manual_seed(2)
     h, kvh, d, bs = 32, 4, 128, 16
     rows = []
@@ -237,19 +237,6 @@ def bench_attention(copy_gbs: float, dtypes=(torch.bfloat16, torch.float32),
                                  m=t, variant=f"w{launch[0]}s{launch[1]} bits{'=' if same else '!'}",
                                  ms=ms, gbs=nbytes / ms / 1e6,
                                  pct_copy=100 * nbytes / ms / 1e6 / copy_gbs))
-            for warps in (4, 8) if cuda and dtype == torch.bfloat16 else ():
-                from kernels import cuda_attention
-                triton_attention.CUDA_ATTENTION, cuda_attention.ATTN_WARPS = True, warps
-                try:
-                    out.fill_(float("nan"))
-                    ms = timed(lambda: triton_attention.paged_attention(
-                        q, kc, vc, tables, rows_t, ctx, d ** -0.5, out), "attention")
-                finally:
-                    triton_attention.CUDA_ATTENTION, cuda_attention.ATTN_WARPS = False, 4
-                diff = float((out - ref).abs().max() / ref.abs().max())
-                rows.append(dict(kernel="paged_attention", shape=f"ctx={ctx_len} bfloat16",
-                                 m=t, variant=f"cuda w{warps} diff {diff:.0e}", ms=ms,
-                                 gbs=nbytes / ms / 1e6, pct_copy=100 * nbytes / ms / 1e6 / copy_gbs))
             del kc, vc
         torch.cuda.empty_cache()
     return rows
@@ -273,8 +260,6 @@ def main() -> None:
     ap.add_argument("--tiles", default=",".join(Q4_TILES), help="q4 tile specs to compare")
     ap.add_argument("--no-attention", action="store_true")
     ap.add_argument("--attention-only", action="store_true")
-    ap.add_argument("--attention-cuda", action="store_true",
-                    help="also the CUDA attention (kernels/cuda_attention.py attn_decode)")
     ap.add_argument("--attention-launches", default="",
                     help="split-kernel launches to compare, WARPS:STAGES,... e.g. 8:2,4:3")
     ap.add_argument("--linear-variants", default=str(q4_layout.MAX_PROGRAMS),
@@ -290,8 +275,7 @@ def main() -> None:
                 if spec]
     rows = [] if args.no_attention else bench_attention(
         copy_gbs, dtypes=(torch.bfloat16,) if launches else (torch.bfloat16, torch.float32),
-        splits=(512,) if launches or args.attention_cuda else (512, 256), launches=launches,
-        cuda=args.attention_cuda)
+        splits=(triton_attention.SPLIT,) if launches else (512, 256), launches=launches)
     print(format_rows(rows), flush=True)
     if args.attention_only:
         return

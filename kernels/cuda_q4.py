@@ -76,7 +76,7 @@ import weakref
 
 import torch
 
-from kernels import cuda_attention, q4_layout
+from kernels import q4_layout
 from kernels.q4_layout import LINEAR_TILE, Q4Linear
 
 SOURCE = r"""
@@ -831,8 +831,8 @@ __device__ __forceinline__ void q4_expert_cta(const void* __restrict__ xv, const
 # Two modules of SOURCE's kernels: CORE, what the engine launches (the CTA forms of the linear
 # and of the one-token experts), loaded with the kernels; EXTRA, the forms the benches and tests
 # compare (the split programs with their ticket merge, streamed splits, probes, the swapped
-# form, the CTA forms with x as A that SWAP_REGS replaces, the CUDA attention: three quarters
-# of the PTX), compiled and loaded on their first launch only.
+# form, the CTA forms with x as A that SWAP_REGS replaces: most of the PTX), compiled and
+# loaded on their first launch only.
 # the CTA forms at <= 8 rows with the swapped registers (SWAP_REGS, the default since v29; the
 # one-row experts and the linear): (columns a warp, depth), and the 512-thread linear at 16
 # columns, depth 2; the forms they replace (x as A) are in EXTRA, for `noswregs`
@@ -862,7 +862,6 @@ SWAP_FORMS = tuple((mt, ng, w) for mt in (1, 2) for ng in (2, 4, 8) for w in (4,
 EXTRA += "".join(f"Q4_SWAP({mt}, {ng}, {w})\n" for mt, ng, w in SWAP_FORMS)
 EXTRA += "".join(f"Q4_EXPERT(gu, true, {c // 8}, {d}) Q4_EXPERT(dn, false, {c // 8}, {d}) "
                  f"Q4_CTA(8, {c // 8}, {d})\n" for c, d in SW_FORMS) + "Q4_CTAW(8, 2, 2)\n"
-EXTRA += cuda_attention.SOURCE  # the paged decode attention's entries (kernels/cuda_attention.py)
 PARTS = ("core", "extra")
 
 
@@ -975,7 +974,6 @@ EXTRA_ENTRIES = tuple(f"q4_split{rows}_{cols // 8}_d{d}".encode()
                       if cols * d <= 128 and (d < 8 or rows == 8))
 EXTRA_ENTRIES += tuple(f"q4_swap{mt}_{ng}_w{w}".encode() for mt, ng, w in SWAP_FORMS) + PROBES
 EXTRA_ENTRIES += tuple(e for e in _cta_entries(False) if e not in ENTRIES)
-EXTRA_ENTRIES += cuda_attention.ENTRIES
 STREAM = 0  # the depth that names the other form: the warp's split streamed into shared memory
 COLS = 16  # columns a warp by default (the fastest at 1-8 rows of qkv, GPU_NOTES v15)
 DEPTH = 8  # blocks a warp keeps in flight (register ring slots), or STREAM

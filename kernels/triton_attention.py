@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import cuda_attention, triton_pdl
+from kernels import triton_pdl
 from kernels.triton_pdl import pdl_wait, prefetch_l2, stamp
 
 # keys per split (fixed: a property of the kernel, not of the batch). 256 since v29 (H100, one
@@ -60,12 +60,6 @@ HEAD_SPLIT_PROGRAMS: int | None = None
 # many programs contend with their loads). None: off (bench/ab_modes.py `nokvpf`; `kvpf`: on
 # at every token count)
 PREFETCH_KV: int | None = 1
-# the split programs as the CUDA kernel kernels/cuda_attention.py `attention` (keys in
-# 16-key chunks over 4 or 8 warps, both products transposed so the heads are the MMAs' n) where it
-# fits (bf16 pool, head_dim 128, <= 8 query heads a kv head): other bits, the same at every
-# batch. Off: 1-4% slower at one stream in its first reading (H100, GPU_NOTES v27); later
-# versions unmeasured (bench/ab_modes.py `cudaattn`, `cudaattn8`).
-CUDA_ATTENTION = False
 # bench only (bench/attn_timeline.py --probe): what the key loop's parts cost, by leaving
 # parts out — wrong values except 4. 1: the K / V loads and the softmax, no dots; 2: the QK
 # dot, no PV dot; 3: each dot one bf16 MMA (q and p's high parts only); 4: the keys' blocks
@@ -284,19 +278,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if group % hs:
         raise ValueError(f"head_split {hs} must divide the {group} query heads a kv head")
     prefetch = bool(PREFETCH_KV and t <= PREFETCH_KV)
-    if (CUDA_ATTENTION and trace is None and head_split is None and PROBE == 0
-            and cuda_attention.attention_fits(q, k_cache)):
-        cuda_attention.attention(q, k_cache, v_cache, block_tables, tok_row, ctx_lens, scale, out, pacc,
-                          pml, max_splits, split, prefetch)
-    else:
-        _attn_split_kernel[(t, kvh * hs, max_splits)](
-            q, k_cache, v_cache, block_tables, tok_row, ctx_lens, out, pacc, pml,
-            out if trace is None else trace, block_tables.stride(0), max_splits, scale, H=h, KVH=kvh,
-            D=d, BS=bs, GROUP=group,
-            GROUP_PAD=max(16, triton.next_power_of_2(group)), SPLIT=split, BLOCK_N=block_n,
-            PREC=PRECISION, MMA=q.device.type == "cuda", HS=hs, TRACE=trace is not None, PROBE=PROBE,
-            LINES=max(1, d * k_cache.element_size() // 128) if prefetch else 0,
-            num_warps=WARPS, num_stages=STAGES, **triton_pdl.launch(q))
+    _attn_split_kernel[(t, kvh * hs, max_splits)](
+        q, k_cache, v_cache, block_tables, tok_row, ctx_lens, out, pacc, pml,
+        out if trace is None else trace, block_tables.stride(0), max_splits, scale, H=h, KVH=kvh,
+        D=d, BS=bs, GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), SPLIT=split, BLOCK_N=block_n,
+        PREC=PRECISION, MMA=q.device.type == "cuda", HS=hs, TRACE=trace is not None, PROBE=PROBE,
+        LINES=max(1, d * k_cache.element_size() // 128) if prefetch else 0,
+        num_warps=WARPS, num_stages=STAGES, **triton_pdl.launch(q))
     if max_splits > 1:
         _attn_merge_kernel[(t, h)](ctx_lens, out, pacc, pml, max_splits, H=h, D=d, SPLIT=split,
                                    **triton_pdl.launch(q))

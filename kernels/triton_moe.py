@@ -108,6 +108,14 @@ CUDA_MAX_TOKENS: int | None = 1
 # gate_up guessing its expert from the router's logits as well (a rank-r top-k in its
 # prologue) lost: 315.5 / 1,400 with 4 blocks, 305.3 / 1,325 with 16 (GPU_NOTES v16). None: off
 PREFETCH_BLOCKS: int | None = 4
+# q4 experts' intermediate silu(gate) * up in fp32 where the Triton expert kernels take it
+# (not the CUDA one-token path, not the dense path): down rounds it to fp16 either way (round
+# to nearest even, the value gate_up's fp16 store gave), so the same bits — and from an fp16
+# input Triton's down copied x's A fragment into the MMA's registers before every MMA (sm_90
+# SASS, Triton 3.6 and 3.9: a 64-key k step 481 → 438 instructions on the one-warp tile, 488
+# → 408 on MID_TILE, 657 → 530 on the 32-row tile, 485 → 428 direct; the copies are
+# IMAD.MOV.U32, 69-185 of them). bench/ab_modes.py `inter32` / `nointer32`
+INTER_F32 = False
 
 
 # ---- device code ------------------------------------------------------------------------------
@@ -551,7 +559,8 @@ def moe(x: torch.Tensor, router: Linear, experts: StackedExperts, top_k: int,
     triton_moe_route.route(x, router, top_k, norm_topk_prob, ids, wts)
     if fused_fits(t, top_k, experts):
         return _fused(x, ids, wts, experts, residual)
-    inter = torch.empty(t * top_k, experts.inter, dtype=inter_dtype(experts), device=dev)  # [T*k, I]
+    inter = torch.empty(t * top_k, experts.inter, dtype=moe_inter_dtype(x, t, top_k, experts),
+                        device=dev)  # [T*k, I]
     y = torch.empty(t * top_k, experts.hidden, dtype=torch.float32, device=dev)  # [T*k, hidden]
     experts_forward(x, ids, experts, inter, y)
     out = torch.empty(t, experts.hidden, dtype=torch.float32, device=dev)
@@ -570,7 +579,8 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
                     flat: int | None = None) -> None:
     """y [T*k, hidden] ← expert(ids[t, r]) applied to x[t], row a = t*k + r; inter [T*k, I]
     (float16 for q4/q8 experts: the down GEMM rounds it to fp16 anyway, so the bits are the
-    same and its bytes half). tile: the f32/q8 TileConfig, or a q4 Q4Tile with the BK the
+    same and its bytes half; q4 experts off the CUDA one-token and dense paths take float32
+    too, the same bits: `moe_inter_dtype`). tile: the f32/q8 TileConfig, or a q4 Q4Tile with the BK the
     experts were stacked for (default: theirs, its rows widened to WIDE_TILE's from
     WIDE_MIN_TOKENS tokens); seq: whether one program runs all K splits of a q4 expert tile
     (default: from SEQ_MIN_TOKENS tokens; on CUDA grouped seq launches of up to MID_MAX_TOKENS
@@ -581,17 +591,14 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
     from DENSE_MIN_TOKENS tokens), the same bits; `tile` and flat (the one-loop form), when
     given, replace both kernels' DENSE_GATE_UP / DENSE_DOWN (bench variants)."""
     t, top_k = ids.shape
-    if (CUDA_MAX_TOKENS and 0 < t <= min(CUDA_MAX_TOKENS, DIRECT_MAX_TOKENS) and tile is None
-            and seq is None and dense is None and t * top_k <= experts.num_experts and x.is_cuda
-            and inter.shape == (t * top_k, experts.inter) and y.shape == (t * top_k, experts.hidden)):
+    if (tile is None and seq is None and dense is None and inter.dtype == torch.float16
+            and inter.shape == (t * top_k, experts.inter) and y.shape == (t * top_k, experts.hidden)
+            and _cuda_direct(x, t, top_k, experts)):
         from kernels import cuda_q4
-        if cuda_q4.experts_fit(experts, x):  # the direct split programs' bits
-            cuda_q4.experts_direct(x, ids, experts, inter, y)
-            return
+        cuda_q4.experts_direct(x, ids, experts, inter, y)  # the direct split programs' bits
+        return
     if dense is None:
-        dense = (experts.fmt == "q4" and x.device.type == "cuda" and DENSE_MIN_TOKENS is not None
-                 and t >= DENSE_MIN_TOKENS and experts.hidden % DENSE_GATE_UP[0].bk == 0
-                 and experts.inter % DENSE_DOWN[0].bk == 0)
+        dense = _dense(x, t, experts)
     if dense:
         gu, down = DENSE_GATE_UP, DENSE_DOWN
         if tile is not None or flat is not None:
@@ -609,6 +616,31 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
                       y[t0 * top_k:t1 * top_k], tile, seq)
 
 
+def _cuda_direct(x: torch.Tensor, t: int, top_k: int, experts: StackedExperts) -> bool:
+    """Whether experts_forward's default route for t tokens is kernels/cuda_q4.py's CTA form."""
+    if not (CUDA_MAX_TOKENS and 0 < t <= min(CUDA_MAX_TOKENS, DIRECT_MAX_TOKENS)
+            and t * top_k <= experts.num_experts and x.is_cuda):
+        return False
+    from kernels import cuda_q4
+    return cuda_q4.experts_fit(experts, x)
+
+
+def _dense(x: torch.Tensor, t: int, experts: StackedExperts) -> bool:
+    """Whether experts_forward's default route for t tokens is the dense path."""
+    return (experts.fmt == "q4" and x.device.type == "cuda" and DENSE_MIN_TOKENS is not None
+            and t >= DENSE_MIN_TOKENS and experts.hidden % DENSE_GATE_UP[0].bk == 0
+            and experts.inter % DENSE_DOWN[0].bk == 0)
+
+
+def moe_inter_dtype(x: torch.Tensor, t: int, top_k: int, experts: StackedExperts) -> torch.dtype:
+    """The intermediate's dtype for experts_forward's default route at t tokens: float32 for q4
+    experts on the Triton kernels when INTER_F32 (the same bits), else inter_dtype's."""
+    if (INTER_F32 and experts.fmt == "q4" and not _cuda_direct(x, t, top_k, experts)
+            and not _dense(x, t, experts)):
+        return torch.float32
+    return inter_dtype(experts)
+
+
 def _experts_pass(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
                   inter: torch.Tensor, y: torch.Tensor, tile, seq: bool) -> None:
     t, top_k = ids.shape
@@ -618,8 +650,9 @@ def _experts_pass(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
         raise ValueError("inter [T*k, I] and y [T*k, hidden] expected")
     if y.dtype != torch.float32 or not y.is_contiguous() or not inter.is_contiguous():
         raise ValueError("inter and y must be contiguous, y float32")
-    if inter.dtype != inter_dtype(experts):
-        raise ValueError(f"inter must be {inter_dtype(experts)} for {experts.fmt} experts")
+    if inter.dtype != inter_dtype(experts) and not (experts.fmt == "q4" and inter.dtype == torch.float32):
+        raise ValueError(f"inter must be {inter_dtype(experts)} for {experts.fmt} experts"
+                         + (" (or float32)" if experts.fmt == "q4" else ""))
     if tk == 0:
         return
     fmt = FMT_CODES[experts.fmt]

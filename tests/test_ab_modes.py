@@ -11,7 +11,7 @@ import pytest
 
 def _knobs(mode: str, expr: str) -> list[str]:
     code = (f"from bench.ab_modes import apply\napply({mode!r})\n"
-            "from kernels import cuda_attention, cuda_q4, moe_layout, q4_layout, triton_attention, "
+            "from kernels import cuda_q4, moe_layout, q4_layout, triton_attention, "
             "triton_linear, triton_moe, triton_moe_route, triton_norm, triton_pdl\n"
             "from replica import memory\n"
             f"print({expr})")
@@ -38,15 +38,12 @@ def test_the_swapped_cuda_modes_route_rows_to_the_swapped_form(mode, want):
                         "cuda_q4.SWAP_WARPS") == want.split()
 
 
-@pytest.mark.parametrize("mode,want", [("pdl", "256 4 2 0 False 4"),
-                                       ("pdl_attnsplit512_attn4_2", "512 4 2 0 False 4"),
-                                       ("pdl_attnprobe3", "256 4 2 3 False 4"),
-                                       ("pdl_cudaattn", "256 4 2 0 True 4"),
-                                       ("pdl_cudaattn8", "256 4 2 0 True 8")])
+@pytest.mark.parametrize("mode,want", [("pdl", "256 4 2 0"),
+                                       ("pdl_attnsplit512_attn8_3", "512 8 3 0"),
+                                       ("pdl_attnprobe3", "256 4 2 3")])
 def test_the_attention_modes_set_the_kernel(mode, want):
     assert _knobs(mode, "triton_attention.SPLIT, triton_attention.WARPS, "
-                        "triton_attention.STAGES, triton_attention.PROBE, "
-                        "triton_attention.CUDA_ATTENTION, cuda_attention.ATTN_WARPS") == want.split()
+                        "triton_attention.STAGES, triton_attention.PROBE") == want.split()
 
 
 @pytest.mark.parametrize("mode,want", [("pdl", "16x64x64w1s3 512 128 128"),
@@ -57,10 +54,13 @@ def test_the_expert_modes_set_the_stacking_tile_and_the_register_cap(mode, want)
                         "triton_moe.SEQ_MAXNREG, triton_moe.DOWN_MAXNREG") == want.split()
 
 
-@pytest.mark.parametrize("mode,want", [("pdl", "4 False"), ("pdl_noeprefetch_fusedmoe", "None True"),
-                                       ("pdl_eprefetch2", "2 False")])
-def test_the_direct_expert_modes_set_the_prefetch_and_the_fused_launch(mode, want):
-    assert _knobs(mode, "triton_moe.PREFETCH_BLOCKS, triton_moe.FUSED") == want.split()
+@pytest.mark.parametrize("mode,want", [("pdl", "4 False False"),
+                                       ("pdl_noeprefetch_fusedmoe", "None True False"),
+                                       ("pdl_eprefetch2_inter32", "2 False True"),
+                                       ("pdl_nointer32", "4 False False")])
+def test_the_direct_expert_modes_set_the_prefetch_the_fused_launch_and_the_intermediate(mode, want):
+    assert _knobs(mode, "triton_moe.PREFETCH_BLOCKS, triton_moe.FUSED, "
+                        "triton_moe.INTER_F32") == want.split()
 
 
 @pytest.mark.parametrize("mode,want", [("pdl", "384 16"), ("pdl_mp1024_maxsplit8", "1024 8")])

@@ -181,12 +181,10 @@ inline unsigned sub_f16x2(unsigned a, unsigned b) {
 inline unsigned fma_f16x2(unsigned a, unsigned b, unsigned c) { return as_u(__hfma2(as_h2(a), as_h2(b), as_h2(c))); }
 inline float silu_mul(float g, float u) { return g / (1.0f + std::exp2(-g * 1.44269504f)) * u; }
 
-// mma.m16n8k16 row.col f32.{f16,bf16}.f32: lane (g, c) holds A (g, 2c..), (g+8, 2c..), (g, 2c+8..),
+// mma.m16n8k16 row.col f32.f16.f16.f32: lane (g, c) holds A (g, 2c..), (g+8, 2c..), (g, 2c+8..),
 // (g+8, 2c+8..); B (k 2c.., n g), (k 2c+8.., n g); C / D (g, 2c..), (g+8, 2c..). `pair` reads a
 // 32-bit register's two 16-bit elements (low half first)
 inline void half_pair(unsigned v, float& lo, float& hi) { const __half2 h = as_h2(v); lo = h2f(h.x); hi = h2f(h.y); }
-inline float bf2f(unsigned bits16) { return __uint_as_float(bits16 << 16); }  // a bf16: a float's high half
-inline void bf16_pair(unsigned v, float& lo, float& hi) { lo = bf2f(v & 0xFFFFu); hi = bf2f(v >> 16); }
 inline void mma_pairs(float& d0, float& d1, float& d2, float& d3, unsigned a0, unsigned a1,
                       unsigned a2, unsigned a3, unsigned b0, unsigned b1, float c0, float c1,
                       float c2, float c3, void (*pair)(unsigned, float&, float&)) {
@@ -217,18 +215,6 @@ inline void mma(float& d0, float& d1, float& d2, float& d3, unsigned a0, unsigne
                 unsigned a3, unsigned b0, unsigned b1) {  // f16, C = D
   mma_pairs(d0, d1, d2, d3, a0, a1, a2, a3, b0, b1, d0, d1, d2, d3, half_pair);
 }
-inline void mma_bf16(float& d0, float& d1, float& d2, float& d3, unsigned a0, unsigned a1,
-                     unsigned a2, unsigned a3, unsigned b0, unsigned b1, float c0, float c1,
-                     float c2, float c3) {
-  mma_pairs(d0, d1, d2, d3, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, bf16_pair);
-}
-// cvt.rn.bf16x2.f32 d, a, b: a to the high half, b to the low, rounded to nearest even
-inline unsigned f2bf(float f) {
-  unsigned u = (unsigned)__float_as_int(f);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (u >> 16) | 0x40u;  // NaN stays NaN
-  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-}
-inline unsigned cvt_bf16x2(float a, float b) { return f2bf(a) << 16 | f2bf(b); }
 
 // ldmatrix.x4: lanes 8i..8i+7 give matrix i's row addresses; lane l gets row l/4, halves 2(l%4)..
 inline void ldmatrix_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, unsigned addr) {
@@ -402,10 +388,6 @@ PTX = {
     "fma.rn.f16x2": lambda o: f"{o[0]} = emu::fma_f16x2({o[1]}, {o[2]}, {o[3]});",
     "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32":
         lambda o: f"emu::mma({', '.join(o[0])}, {', '.join(o[1])}, {', '.join(o[2])});",
-    "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32":
-        lambda o: f"emu::mma_bf16({', '.join(o[0])}, {', '.join(o[1])}, {', '.join(o[2])}, {', '.join(o[3])});",
-    "cvt.rn.bf16x2.f32": lambda o: f"{o[0]} = emu::cvt_bf16x2({o[1]}, {o[2]});",
-    "prefetch.global.L2": lambda o: ";",
     "ldmatrix.sync.aligned.m8n8.x4.shared.b16": lambda o: f"emu::ldmatrix_x4({', '.join(o[0])}, {o[1]});",
     "mapa.shared::cluster.u32": lambda o: f"{o[0]} = emu::mapa({o[1]}, {o[2]});",
     "ld.shared::cluster.v4.f32": lambda o: f"emu::ld_cluster_v4({', '.join(o[0])}, {o[1]});",

@@ -1,5 +1,4 @@
-"""cuda_q4's kernels (and kernels/cuda_attention.py's, built into its extra module) run on the
-CPU (tests/kernels/cuda_emu.py): every output written, each
+"""cuda_q4's kernels run on the CPU (tests/kernels/cuda_emu.py): every output written, each
 within fp16 rounding of float64, and the forms the GPU tests prove bit-equal give equal bits on
 the emulator too (the same fragments into the same MMAs in the same order; the emulator's MMA
 is not the GPU's, but a form that fed it otherwise would differ). What a new kernel's source
@@ -11,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu, cuda_attention, cuda_q4  # (no Triton here: test_triton_kernels.py interprets it)
+from kernels import cuda_q4  # (no Triton here: test_triton_kernels.py interprets it)
 from tests.kernels import cuda_emu, ptxas
 
 
@@ -273,62 +272,3 @@ def test_a_coresident_grid_whose_ctas_wait_on_each_other():
         cuda_emu.launch(lib, "suffix", (200, 1, 1), 32, 0, (1, 1, 1),
                         (x, out, total, torch.zeros(200, dtype=torch.int32)), (32,), coresident=True)
 
-
-def _merged(out, pacc, pml, ctx, split):
-    """The attention's merge kernel in torch: each token's split partials in split order."""
-    res = out.clone()
-    for i, n in enumerate(int(c) for c in ctx):
-        s = -(-n // split)
-        if s > 1:
-            m = pml[i, :, :s, 0].max(dim=1, keepdim=True).values  # [H, 1]
-            w = torch.exp(pml[i, :, :s, 0] - m)
-            res[i] = (pacc[i, :, :s] * w[..., None]).sum(1) / (pml[i, :, :s, 1] * w).sum(1)[:, None]
-    return res
-
-
-@pytest.mark.parametrize("h,kvh,warps", [(16, 2, 4), (8, 2, 4), (16, 2, 8)])
-def test_the_cuda_attention_matches_float64_and_a_tokens_bits_ignore_its_batch(emu, monkeypatch, h, kvh,
-                                                                                warps):
-    """cuda_attention.attention (attn_decode: keys in 16-key chunks over the warps, S^T = K q^T and
-    out^T = V^T P^T on bf16 MMAs, q and p as high part + remainder) on the emulator: against
-    float64 with padding, one split and several, stale NaN in the pool's other slots; a
-    padding token's zeros; a token alone gives the bits it gets among the others; 4 and 8
-    warps a CTA (ATTN_WARPS)."""
-    monkeypatch.setattr(cuda_attention, "ATTN_WARPS", warps)
-    g = torch.Generator().manual_seed(h)
-    d, bs, nb, mb, split = 128, 16, 40, 16, 128  # (a warp takes 2 chunks of a 128-key split)
-    kc = torch.randn(nb, bs, kvh, d, generator=g).to(torch.bfloat16)
-    vc = torch.randn(nb, bs, kvh, d, generator=g).to(torch.bfloat16)
-    tables = torch.randperm(nb, generator=g)[:2 * mb].view(2, mb).to(torch.int32).contiguous()
-    rows = torch.tensor([0, 1, 0, 1, 1, 0], dtype=torch.int32)
-    ctx = torch.tensor([1, 17, 64, 100, 0, 250], dtype=torch.int32)
-    for r in range(2):  # slots past a stream's context hold stale NaN
-        for pos in range(int(ctx[rows == r].max()), mb * bs):
-            kc[tables[r, pos // bs], pos % bs] = float("nan")
-            vc[tables[r, pos // bs], pos % bs] = float("nan")
-    q = torch.randn(6, h, d, generator=g)
-    ms = -(-mb * bs // split)
-
-    def run(sel):
-        n = len(sel)
-        out = torch.full((n, h, d), float("nan"))
-        pacc = torch.full((n, h, ms, d), float("nan"))
-        pml = torch.full((n, h, ms, 2), float("nan"))
-        with cuda_emu.emulated(emu):
-            cuda_attention.attention(q[sel].contiguous(), kc, vc, tables, rows[sel].contiguous(),
-                                     ctx[sel].contiguous(), 0.09, out, pacc, pml, ms, split, True)
-        return out, pacc, pml
-
-    out, pacc, pml = run(list(range(6)))
-    got = _merged(out, pacc, pml, ctx, split)
-    live = [0, 1, 2, 3, 5]
-    ref = cpu.paged_attention_reference(q[live], kc, vc, tables, rows[live], ctx[live], 0.09)
-    assert _rel(got[live], ref) < 2e-5
-    assert torch.equal(out[4], torch.zeros(h, d))  # the padding token
-    for i in (1, 5):  # one split; two
-        o1, a1, m1 = run([i])
-        if int(ctx[i]) <= split:
-            assert torch.equal(o1[0], out[i])
-        else:
-            s = -(-int(ctx[i]) // split)
-            assert torch.equal(a1[0, :, :s], pacc[i, :, :s]) and torch.equal(m1[0, :, :s], pml[i, :, :s])

@@ -132,40 +132,6 @@ def test_norms_rope_and_softmax_at_real_shapes():
         assert torch.equal(kc2.nan_to_num(7.0), kc.nan_to_num(7.0)) and torch.equal(vc2.nan_to_num(7.0), vc.nan_to_num(7.0))
 
 
-@pytest.mark.parametrize("warps", [4, 8])
-def test_the_cuda_attention_at_real_shapes_and_bitwise_alone(monkeypatch, warps):
-    """triton_attention.CUDA_ATTENTION (kernels/cuda_attention.py attn_decode, 4 or 8 warps a CTA) at
-    the 30B preset's heads on a bf16 pool: against float64, a token alone (wider table,
-    one-token launch with its L2 prefetch) bitwise as among eight, with and without the
-    prefetch."""
-    from kernels import cuda_attention
-    monkeypatch.setattr(cuda_attention, "ATTN_WARPS", warps)
-    g = torch.Generator(DEV).manual_seed(4)
-    h, kvh, d, bs, nb = 32, 4, 128, 16, 1024
-    kc = torch.randn(nb, bs, kvh, d, generator=g, device=DEV).to(torch.bfloat16)
-    vc = torch.randn(nb, bs, kvh, d, generator=g, device=DEV).to(torch.bfloat16)
-    ctx = torch.tensor([1, 17, 300, 512, 513, 1500, 2047, 900], dtype=torch.int32, device=DEV)
-    t = ctx.numel()
-    tables = torch.randperm(nb, generator=g, device=DEV)[: t * 128].view(t, 128).to(torch.int32).contiguous()
-    rows = torch.arange(t, dtype=torch.int32, device=DEV)
-    q = torch.randn(t, h, d, generator=g, device=DEV)
-    if not cuda_attention.attention_fits(q, kc):
-        pytest.skip("the CUDA kernels do not load here")
-    monkeypatch.setattr(triton_attention, "CUDA_ATTENTION", True)
-    out = triton_attention.paged_attention(q, kc, vc, tables, rows, ctx, d ** -0.5, nan(t, h, d))
-    ref = cpu.paged_attention_reference(q.cpu(), kc.cpu(), vc.cpu(), tables.cpu(), rows.cpu(),
-                                        ctx.cpu(), d ** -0.5)
-    assert rel_err(out.cpu(), ref) < 3e-5
-    for i in (0, 3, 4, 6):
-        wide = torch.cat([tables[i:i + 1], torch.zeros(1, 40, dtype=torch.int32, device=DEV)], 1)
-        for pf in (1, None):
-            monkeypatch.setattr(triton_attention, "PREFETCH_KV", pf)
-            alone = triton_attention.paged_attention(q[i:i + 1].contiguous(), kc, vc, wide.contiguous(),
-                                                     torch.zeros(1, dtype=torch.int32, device=DEV),
-                                                     ctx[i:i + 1].contiguous(), d ** -0.5, nan(1, h, d))
-            assert torch.equal(alone[0], out[i]), (i, pf)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_attention_at_real_shapes_and_bitwise_alone(dtype):
     g = torch.Generator(DEV).manual_seed(3)
@@ -404,6 +370,31 @@ def test_moe_direct_slots_give_the_grouped_bits(monkeypatch):
         assert torch.isfinite(outs[0][1]).all()
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), t
     assert not stacked.gu_tickets.any() and not stacked.down_tickets.any()
+
+
+def test_the_fp32_intermediate_gives_the_fp16_intermediates_bits(monkeypatch):
+    """triton_moe.INTER_F32 at the 30B shape: the Triton expert kernels with the intermediate in
+    float32 (moe's allocation) give the float16 intermediate's bits — the direct split programs
+    (2-8 tokens), MID_TILE (9-32) and the one-warp seq tile (33+), and through moe with the
+    combine — and a token alone (the CUDA one-token path, fp16) its bits among 64."""
+    router, experts, stacked = real_moe()
+    g = torch.Generator(DEV).manual_seed(12)
+    x = torch.randn(64, 2048, generator=g, device=DEV)
+    for t in (2, 16, 64):
+        ids, wts = torch.full((t, 8), -5, dtype=torch.int32, device=DEV), nan(t, 8)
+        triton_moe_route.route(x[:t], router, 8, True, ids, wts)
+        i16, y16 = nan(8 * t, 768).half(), nan(8 * t, 2048)
+        triton_moe.experts_forward(x[:t], ids, stacked, i16, y16)
+        i32, y32 = nan(8 * t, 768), nan(8 * t, 2048)
+        triton_moe.experts_forward(x[:t], ids, stacked, i32, y32)
+        assert torch.equal(i32.half(), i16) and torch.equal(y32, y16) and torch.isfinite(y32).all(), t
+    monkeypatch.setattr(triton_moe, "INTER_F32", True)
+    assert triton_moe.moe_inter_dtype(x, 64, 8, stacked) == torch.float32
+    among = triton_moe.moe(x, router, stacked, 8, True)
+    for m in (1, 5):
+        assert torch.equal(triton_moe.moe(x[-m:].contiguous(), router, stacked, 8, True), among[-m:]), m
+    monkeypatch.setattr(triton_moe, "INTER_F32", False)
+    assert torch.equal(triton_moe.moe(x, router, stacked, 8, True), among)
 
 
 def test_pdl_launches_change_no_bits_in_a_graph(monkeypatch):

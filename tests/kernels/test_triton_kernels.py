@@ -444,6 +444,35 @@ def test_moe_matches_float64_reference(fmt, hidden, inter):
         assert not stacked.gu_tickets.any() and not stacked.down_tickets.any()
 
 
+@pytest.mark.parametrize("t", [3, 12])  # the direct split programs; the grouped seq programs
+def test_the_q4_intermediate_in_fp32_gives_the_fp16_intermediates_bits(t, monkeypatch):
+    """experts_forward with the intermediate in float32 (triton_moe.INTER_F32's route) against
+    float16: gate_up's fp32 values round (nearest even) to the fp16 ones, and down's y is
+    bitwise the same; both K splits in four. moe_inter_dtype picks float32 for q4 experts off
+    the CUDA one-token and dense paths only when INTER_F32 is on."""
+    g = gen(11)
+    router, experts, stacked = _moe_setup("q4", g, hidden=256, inter=256)
+    x = torch.randn(t, 256, generator=g)
+    ids, wts = torch.full((t, 2), -5, dtype=torch.int32), nan(t, 2)
+    triton_moe_route.route(x, router, 2, True, ids, wts)
+    i16, y16 = nan(2 * t, 256).to(torch.float16), nan(2 * t, 256)
+    triton_moe.experts_forward(x, ids, stacked, i16, y16)
+    i32, y32 = nan(2 * t, 256), nan(2 * t, 256)
+    triton_moe.experts_forward(x, ids, stacked, i32, y32)
+    assert torch.equal(i32.to(torch.float16), i16) and not torch.equal(i32, i16.float())
+    assert torch.equal(y32, y16) and not y32.isnan().any()
+    monkeypatch.setattr(triton_moe, "INTER_F32", True)
+    assert triton_moe.moe_inter_dtype(x, t, 2, stacked) == torch.float32
+    monkeypatch.setattr(triton_moe, "INTER_F32", False)
+    assert triton_moe.moe_inter_dtype(x, t, 2, stacked) == torch.float16
+    _, _, f32_stacked = _moe_setup("f32", g)
+    assert triton_moe.moe_inter_dtype(x, t, 2, f32_stacked) == torch.float32
+    with pytest.raises(ValueError, match="float16 for q8"):
+        _, _, q8_stacked = _moe_setup("q8", g)
+        triton_moe.experts_forward(torch.randn(t, 64, generator=g), ids, q8_stacked,
+                                   nan(2 * t, 32), nan(2 * t, 64))
+
+
 @pytest.mark.parametrize("hidden,inter", [(64, 32), (256, 256)])
 def test_moe_token_is_bitwise_independent_of_its_batch(hidden, inter, monkeypatch):
     """(256, 256): both expert GEMMs split K in four."""
