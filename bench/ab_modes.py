@@ -86,6 +86,9 @@ def apply(mode: str) -> None:
         triton_moe.PREFETCH_BLOCKS = None
     elif re.search(r'eprefetch[0-9]+', mode):  # ... or this many blocks of it
         triton_moe.PREFETCH_BLOCKS = int(re.search(r'eprefetch([0-9]+)', mode).group(1))
+    if 'even' in mode:  # the q4 K loops of weights that fill their tiles without k / column
+        from kernels import triton_q4  # masks (EVEN_STEPS; noeven: masked)
+        triton_q4.EVEN_STEPS = 'noeven' not in mode
     if 'inter32' in mode:  # q4 experts' intermediate in fp32 on the Triton kernels (INTER_F32;
         triton_moe.INTER_F32 = 'nointer32' not in mode  # nointer32: fp16 everywhere)
     if 'skip' in mode:  # ablations: timing only, the tokens are wrong (see `_skip`)

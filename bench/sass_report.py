@@ -72,7 +72,7 @@ def _compile(kern, consts: dict, ptr_types: dict, scalar_types: dict, div16: set
 def compile_q4_linear(tile: Q4Tile, arch: int = 90, split: int = 1, pdl: bool = False,
                       seq: bool = False):
     consts = dict(HAS_RES=False, BM=tile.bm, BN=tile.bn, NB=tile.nb, S=split, SEQ=seq, ASM=True,
-                  PDL=pdl, TRACE=False, SWAP=tile.swap)
+                  PDL=pdl, TRACE=False, SWAP=tile.swap, EVEN=triton_q4.EVEN_STEPS)  # (30B: even)
     return _compile(triton_q4._q4_linear_kernel, consts,
                     {"w_ptr": "*u8", "sm_ptr": "*fp16", "tickets_ptr": "*i32", "trace_ptr": "*i64"},
                     {}, DIV16, arch, num_warps=tile.warps, num_stages=tile.stages, launch_pdl=pdl)
@@ -106,15 +106,16 @@ def compile_expert(kind: str, tile: Q4Tile, maxnreg: int | None, arch: int = 90,
     consts = dict(FMT=triton_moe.FMT_CODES["q4"], BM=tile.bm, BN=tile.bn, BK=tile.bk,
                   S=q4_layout.split_count(n, k, tile, moe_layout.EXPERT_PROGRAMS), SEQ=not direct,
                   DIRECT=direct, ASM=True, PDL=True, FLAT=0,
-                  PREFETCH=(triton_moe.PREFETCH_BLOCKS or 0) if direct else 0)
+                  PREFETCH=(triton_moe.PREFETCH_BLOCKS or 0) if direct else 0,
+                  EVEN=triton_q4.EVEN_STEPS and triton_q4.even(n, k, tile.bn, tile.nb))
     if kind == "gate_up":
         kern = triton_moe._moe_gate_up_kernel
         consts = {k: v for k, v in consts.items() if k != "PREFETCH"} | dict(TOPK=8)
-        ptrs = {"x_ptr": "*fp16", "meta_ptr": "*i32", "arows_ptr": "*i32", "w_ptr": "*u8",
+        ptrs = {"x_ptr": "*fp32", "meta_ptr": "*i32", "arows_ptr": "*i32", "w_ptr": "*u8",
                 "s_ptr": "*fp16", "inter_ptr": "*fp16", "ws_ptr": "*fp32", "tickets_ptr": "*i32"}
     else:
         kern = triton_moe._moe_down_kernel
-        ptrs = {"inter_ptr": "*fp16", "meta_ptr": "*i32", "arows_ptr": "*i32", "w_ptr": "*u8",
+        ptrs = {"inter_ptr": "*fp32" if triton_moe.INTER_F32 else "*fp16", "meta_ptr": "*i32", "arows_ptr": "*i32", "w_ptr": "*u8",
                 "s_ptr": "*fp16", "y_ptr": "*fp32", "ws_ptr": "*fp32", "tickets_ptr": "*i32"}
     # what the runtime specializes for these shapes: every pointer and every integer argument
     # outside do_not_specialize (T, TK) is a multiple of 16 — K and I among them, without which

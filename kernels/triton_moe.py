@@ -188,13 +188,13 @@ def _silu_up_store(acc, inter_ptr, rows, valid, cols, stride_inter, I, BM: tl.co
 @triton.jit
 def _expert_all(x_ptr, rows, valid, stride_x, w_e, s_e, n0, n_mask, N, K, stride_w, stride_s,
                 FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                S: tl.constexpr, ASM: tl.constexpr, FLAT: tl.constexpr):
+                S: tl.constexpr, ASM: tl.constexpr, FLAT: tl.constexpr, EVEN: tl.constexpr = False):
     """[BM, BN] = x[rows] @ W_e[n0 : n0 + BN].T over all of K, in one program: q4 runs its S
     splits and sums them in split order (the bits of the split programs), and so does the
-    dequantized q4 (FMT_F16); f32/q8 all of K."""
+    dequantized q4 (FMT_F16); f32/q8 all of K. EVEN: q4's K loop without k / column masks."""
     if FMT == 1:
         acc = q4_splits(x_ptr, rows, valid, stride_x, w_e, s_e, n0, n_mask, N, K, BM, BN, BK // 32,
-                        S, ASM)
+                        S, ASM, False, EVEN)
     elif FMT == 3:  # q4 experts dequantized for this call (fp16 W.T), x in fp16: q4's bits
         acc = f16_splits(x_ptr, rows, valid, stride_x, w_e, n0, n_mask, N, K, BM, BN, BK, S, FLAT)
     else:
@@ -209,7 +209,7 @@ def _moe_gate_up_kernel(x_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, inter_ptr, ws_
                         stride_inter, FMT: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
                         BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr, SEQ: tl.constexpr,
                         DIRECT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
-                        FLAT: tl.constexpr = 0):
+                        FLAT: tl.constexpr = 0, EVEN: tl.constexpr = False):
     """inter[a, j] = silu(x[t] . Wg[e, j]) * (x[t] . Wu[e, j]) for the slot's assignments a
     (t = a // k); the tile's BN interleaved gate/up rows give BN // 2 outputs j. With S > 1
     K splits run by S programs (not SEQ), partials go through ws [S, T*k, 2I] and the last
@@ -232,7 +232,7 @@ def _moe_gate_up_kernel(x_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, inter_ptr, ws_
         for m0 in range(0, count, BM):
             rows, valid = _slot_rows(arows, m0, count, BM, DIRECT)
             acc = q4_rows(x_ptr, rows // TOPK, valid, stride_x, w_e, s_e, pid_n * BN, n_mask,
-                          2 * I, k_lo, k_hi, BM, BN, BK // 32, ASM)  # S > 1: q4 only
+                          2 * I, k_lo, k_hi, BM, BN, BK // 32, ASM, False, EVEN)  # S > 1: q4 only
             split_store(acc, ws_ptr, rows.to(tl.int64)[:, None] * (2 * I) + offs_n[None, :],
                         valid[:, None] & n_mask[None, :], split_stride)
         last = split_ticket(tickets_ptr, ticket, S)
@@ -245,7 +245,8 @@ def _moe_gate_up_kernel(x_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, inter_ptr, ws_
                                      valid[:, None] & n_mask[None, :], split_stride, S)
             else:
                 acc = _expert_all(x_ptr, rows // TOPK, valid, stride_x, w_e, s_e, pid_n * BN,
-                                  n_mask, 2 * I, K, stride_w, stride_s, FMT, BM, BN, BK, S, ASM, FLAT)
+                                  n_mask, 2 * I, K, stride_w, stride_s, FMT, BM, BN, BK, S, ASM, FLAT,
+                                  EVEN)
             _silu_up_store(acc, inter_ptr, rows, valid, cols, stride_inter, I, BM, BN)
         if parallel:
             split_release(tickets_ptr, ticket)
@@ -256,7 +257,8 @@ def _moe_down_kernel(inter_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, y_ptr, ws_ptr
                      N, K, stride_inter, stride_we, stride_w, stride_se, stride_s, stride_y,
                      FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      S: tl.constexpr, SEQ: tl.constexpr, DIRECT: tl.constexpr, ASM: tl.constexpr,
-                     PDL: tl.constexpr, FLAT: tl.constexpr = 0, PREFETCH: tl.constexpr = 0):
+                     PDL: tl.constexpr, FLAT: tl.constexpr = 0, PREFETCH: tl.constexpr = 0,
+                     EVEN: tl.constexpr = False):
     """y[a, n] = inter[a] . Wd[e, n] for the slot's assignments a (splits as in gate_up).
     PREFETCH (direct, PDL): blocks of the slot's expert's weights prefetched before the wait
     (the top-k ids are final by then: this kernel starts after gate_up's wait on the top-k)."""
@@ -281,7 +283,7 @@ def _moe_down_kernel(inter_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, y_ptr, ws_ptr
         for m0 in range(0, count, BM):
             rows, valid = _slot_rows(arows, m0, count, BM, DIRECT)
             acc = q4_rows(inter_ptr, rows, valid, stride_inter, w_e, s_e, pid_n * BN, n_mask,
-                          N, k_lo, k_hi, BM, BN, BK // 32, ASM)  # S > 1: q4 only
+                          N, k_lo, k_hi, BM, BN, BK // 32, ASM, False, EVEN)  # S > 1: q4 only
             split_store(acc, ws_ptr, rows.to(tl.int64)[:, None] * N + offs_n[None, :],
                         valid[:, None] & n_mask[None, :], split_stride)
         last = split_ticket(tickets_ptr, ticket, S)
@@ -295,7 +297,8 @@ def _moe_down_kernel(inter_ptr, meta_ptr, arows_ptr, w_ptr, s_ptr, y_ptr, ws_ptr
                 acc = split_load_sum(ws_ptr, offs, mask, split_stride, S)
             else:
                 acc = _expert_all(inter_ptr, rows, valid, stride_inter, w_e, s_e, pid_n * BN,
-                                  n_mask, N, K, stride_w, stride_s, FMT, BM, BN, BK, S, ASM, FLAT)
+                                  n_mask, N, K, stride_w, stride_s, FMT, BM, BN, BK, S, ASM, FLAT,
+                                  EVEN)
             tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_y + offs_n[None, :], acc, mask=mask)
         if parallel:
             split_release(tickets_ptr, ticket)
@@ -677,6 +680,7 @@ def _experts_pass(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
         meta, arows = triton_moe_route.align(ids, experts.num_experts)
         slots = arows.shape[0]
     asm = triton_q4.use_asm(x)
+    q4 = experts.fmt == "q4" and triton_q4.EVEN_STEPS
 
     def scratch(split: int, n: int, tickets):
         if split == 1 or seq:
@@ -705,7 +709,8 @@ def _experts_pass(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
     _moe_gate_up_kernel[(slots, triton.cdiv(2 * experts.inter, tile.bn), splits(experts.gu_split))](
         x, meta, arows, w, s, inter, ws, tickets, t, tk, experts.inter, experts.hidden,
         x.stride(0), *strides(w, s), inter.stride(0), FMT=fmt, TOPK=top_k,
-        S=experts.gu_split, SEQ=seq, DIRECT=direct, **launch)
+        S=experts.gu_split, SEQ=seq, DIRECT=direct,
+        EVEN=q4 and triton_q4.even(2 * experts.inter, experts.hidden, tile.bn, tile.nb), **launch)
     # down's first weight blocks into L2 while gate_up runs (direct, PDL, q4)
     prefetch = (PREFETCH_BLOCKS or 0) if direct and launch["PDL"] and experts.fmt == "q4" else 0
     w, s = experts.down
@@ -713,7 +718,8 @@ def _experts_pass(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
     _moe_down_kernel[(slots, triton.cdiv(experts.hidden, tile.bn), splits(experts.down_split))](
         inter, meta, arows, w, s, y, ws, tickets, t, tk, experts.hidden, experts.inter,
         inter.stride(0), *strides(w, s), y.stride(0), FMT=fmt, S=experts.down_split, SEQ=seq,
-        DIRECT=direct, PREFETCH=prefetch, **down_launch)
+        DIRECT=direct, PREFETCH=prefetch,
+        EVEN=q4 and triton_q4.even(experts.hidden, experts.inter, tile.bn, tile.nb), **down_launch)
 
 
 def _experts_f16(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,

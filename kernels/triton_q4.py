@@ -31,6 +31,12 @@ from kernels.q4_layout import LINEAR_TILE, Q4Linear, Q4Tile
 from kernels.triton_pdl import pdl_wait, prefetch_l2, stamp
 
 PREFETCH_BLOCKS = tl.constexpr(8)  # 32-blocks of K prefetched before waiting (GPU_NOTES v7)
+# the q4 K loops of weights that fill their tiles (`even`) without the k / column masks: the
+# same loads, so the same bits. sm_90 SASS (Triton 3.6, a 64-key step of the one-warp tile):
+# the linear 418 → 399 instructions, the seq experts 437 → 409, MID_TILE 409 → 391, the
+# direct experts 427 → 399 (GPU_NOTES v30). Off until measured (bench/ab_modes.py `even`,
+# `noeven`)
+EVEN_STEPS = False
 
 
 # ---- device code ------------------------------------------------------------------------------
@@ -83,20 +89,27 @@ def _dequant(byt, s, m, ASM: tl.constexpr):
 
 @triton.jit
 def _q4_step(acc, xr, row_mask, w_tile, sm_tile, n_mask, N, k0, k_hi, NB: tl.constexpr,
-             ASM: tl.constexpr):
+             ASM: tl.constexpr, EVEN: tl.constexpr = False):
     """acc += the k step [k0, k0 + 32 NB) (the part below k_hi) of x @ W.T, block by block:
-    xr [BM, 1] row pointers of x, w_tile [16, BN] / sm_tile [BN, 2] block 0's bytes / scales."""
+    xr [BM, 1] row pointers of x, w_tile [16, BN] / sm_tile [BN, 2] block 0's bytes / scales.
+    EVEN: every block below k_hi and every column valid (the K split of whole steps, N a
+    multiple of BN): the weight loads unmasked, x masked by row only — the same values."""
     j = tl.arange(0, 16)
     for b in tl.static_range(NB):
         kb = k0 + 32 * b
-        live = (kb + j) < k_hi  # [16]: all true or all false (k_hi is a block edge)
         blk = kb // 32
-        byt = tl.load(w_tile + blk * (N * 16), mask=n_mask[None, :] & live[:, None], other=0)
-        s, m = tl.split(tl.load(sm_tile + blk * (N * 2),
-                                mask=n_mask[:, None] & (kb + tl.arange(0, 2) * 0 < k_hi)[None, :],
-                                other=0.0))
+        if EVEN:
+            byt = tl.load(w_tile + blk * (N * 16))
+            s, m = tl.split(tl.load(sm_tile + blk * (N * 2)))
+            xm = row_mask[:, None] & (j >= 0)[None, :]
+        else:
+            live = (kb + j) < k_hi  # [16]: all true or all false (k_hi is a block edge)
+            byt = tl.load(w_tile + blk * (N * 16), mask=n_mask[None, :] & live[:, None], other=0)
+            s, m = tl.split(tl.load(sm_tile + blk * (N * 2),
+                                    mask=n_mask[:, None] & (kb + tl.arange(0, 2) * 0 < k_hi)[None, :],
+                                    other=0.0))
+            xm = row_mask[:, None] & live[None, :]
         lo, hi = _dequant(byt, s[None, :], m[None, :], ASM)  # [16, BN]: k = kb + j, kb + 16 + j
-        xm = row_mask[:, None] & live[None, :]
         x_lo = tl.load(xr + (kb + j)[None, :], mask=xm, other=0.0).to(tl.float16)
         x_hi = tl.load(xr + (kb + 16 + j)[None, :], mask=xm, other=0.0).to(tl.float16)
         acc = tl.dot(x_lo, lo, acc)
@@ -106,21 +119,26 @@ def _q4_step(acc, xr, row_mask, w_tile, sm_tile, n_mask, N, k0, k_hi, NB: tl.con
 
 @triton.jit
 def _q4_step_t(acc, xr, row_mask, w_tile, sm_tile, n_mask, N, k0, k_hi, NB: tl.constexpr,
-               ASM: tl.constexpr):
+               ASM: tl.constexpr, EVEN: tl.constexpr = False):
     """_q4_step with the weights as the MMA's A operand: acc [BN, BM] += W[:, k step] @ x[:, k
     step].T; xr [1, BM] row pointers of x, w_tile [BN, 16] / sm_tile [BN, 2] block 0's bytes /
     scales. The same fp16 weights and x, the same k16 products summed in the same k order."""
     j = tl.arange(0, 16)
     for b in tl.static_range(NB):
         kb = k0 + 32 * b
-        live = (kb + j) < k_hi  # [16]: all true or all false (k_hi is a block edge)
         blk = kb // 32
-        byt = tl.load(w_tile + blk * (N * 16), mask=n_mask[:, None] & live[None, :], other=0)
-        s, m = tl.split(tl.load(sm_tile + blk * (N * 2),
-                                mask=n_mask[:, None] & (kb + tl.arange(0, 2) * 0 < k_hi)[None, :],
-                                other=0.0))
+        if EVEN:
+            byt = tl.load(w_tile + blk * (N * 16))
+            s, m = tl.split(tl.load(sm_tile + blk * (N * 2)))
+            xm = (j >= 0)[:, None] & row_mask[None, :]
+        else:
+            live = (kb + j) < k_hi  # [16]: all true or all false (k_hi is a block edge)
+            byt = tl.load(w_tile + blk * (N * 16), mask=n_mask[:, None] & live[None, :], other=0)
+            s, m = tl.split(tl.load(sm_tile + blk * (N * 2),
+                                    mask=n_mask[:, None] & (kb + tl.arange(0, 2) * 0 < k_hi)[None, :],
+                                    other=0.0))
+            xm = live[:, None] & row_mask[None, :]
         lo, hi = _dequant(byt, s[:, None], m[:, None], ASM)  # [BN, 16]: k = kb + j, kb + 16 + j
-        xm = live[:, None] & row_mask[None, :]
         x_lo = tl.load(xr + (kb + j)[:, None], mask=xm, other=0.0).to(tl.float16)  # [16, BM]
         x_hi = tl.load(xr + (kb + 16 + j)[:, None], mask=xm, other=0.0).to(tl.float16)
         acc = tl.dot(lo, x_lo, acc)
@@ -141,11 +159,12 @@ def _q4_ptrs(x_ptr, x_rows, stride_x, w_ptr, sm_ptr, n0, BN: tl.constexpr):
 @triton.jit
 def q4_rows(x_ptr, x_rows, row_mask, stride_x, w_ptr, sm_ptr, n0, n_mask, N, k_lo, k_hi,
             BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr,
-            SWAP: tl.constexpr = False):
+            SWAP: tl.constexpr = False, EVEN: tl.constexpr = False):
     """acc [BM, BN] fp32 = x[x_rows, k_lo:k_hi] @ W[n0 : n0 + BN, k_lo:k_hi].T, k in increasing
     order. x_rows [BM] are row indices (MoE gathers), masked rows read 0; x is float32 or
     float16 (rounded to fp16 either way). w_ptr/sm_ptr point at one weight's qs/sm.
-    SWAP: the weights as the MMA's A operand, and acc is the transpose, [BN, BM]."""
+    SWAP: the weights as the MMA's A operand, and acc is the transpose, [BN, BM]. EVEN: the
+    k range whole k steps and N a multiple of BN (`even`): no k / column masks."""
     if SWAP:
         n = n0 + tl.arange(0, BN)
         xr = x_ptr + x_rows[None, :] * stride_x  # [1, BM]
@@ -153,19 +172,19 @@ def q4_rows(x_ptr, x_rows, row_mask, stride_x, w_ptr, sm_ptr, n0, n_mask, N, k_l
         sm_tile = sm_ptr + n[:, None] * 2 + tl.arange(0, 2)[None, :]
         acc = tl.zeros((BN, BM), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, 32 * NB):
-            acc = _q4_step_t(acc, xr, row_mask, w_tile, sm_tile, n_mask, N, k0, k_hi, NB, ASM)
+            acc = _q4_step_t(acc, xr, row_mask, w_tile, sm_tile, n_mask, N, k0, k_hi, NB, ASM, EVEN)
     else:
         xr, w_tile, sm_tile = _q4_ptrs(x_ptr, x_rows, stride_x, w_ptr, sm_ptr, n0, BN)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, 32 * NB):
-            acc = _q4_step(acc, xr, row_mask, w_tile, sm_tile, n_mask, N, k0, k_hi, NB, ASM)
+            acc = _q4_step(acc, xr, row_mask, w_tile, sm_tile, n_mask, N, k0, k_hi, NB, ASM, EVEN)
     return acc
 
 
 @triton.jit
 def q4_splits(x_ptr, x_rows, row_mask, stride_x, w_ptr, sm_ptr, n0, n_mask, N, K,
               BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, S: tl.constexpr,
-              ASM: tl.constexpr, SWAP: tl.constexpr = False):
+              ASM: tl.constexpr, SWAP: tl.constexpr = False, EVEN: tl.constexpr = False):
     """acc [BM, BN] fp32 = x[x_rows] @ W[n0 : n0 + BN].T over all of K, computed as the S split
     programs compute it (each split's partial from zero over its k range), the partials summed
     in split order 0..S-1 as split_load_sum does: the bits of the split-K path from one program,
@@ -179,7 +198,7 @@ def q4_splits(x_ptr, x_rows, row_mask, stride_x, w_ptr, sm_ptr, n0, n_mask, N, K
     for sp in range(S):
         k_lo, k_hi = split_range(K, sp, S, 32 * NB)
         part = q4_rows(x_ptr, x_rows, row_mask, stride_x, w_ptr, sm_ptr, n0, n_mask, N, k_lo,
-                       k_hi, BM, BN, NB, ASM, SWAP)
+                       k_hi, BM, BN, NB, ASM, SWAP, EVEN)
         total = tl.where(sp == 0, part, total + part)  # p0 exactly, then + p1, + p2, ...
     return total
 
@@ -249,7 +268,7 @@ def _q4_linear_kernel(x_ptr, w_ptr, sm_ptr, res_ptr, y_ptr, ws_ptr, tickets_ptr,
                       K, stride_x, stride_res, stride_y, HAS_RES: tl.constexpr, BM: tl.constexpr,
                       BN: tl.constexpr, NB: tl.constexpr, S: tl.constexpr, SEQ: tl.constexpr,
                       ASM: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr = False,
-                      SWAP: tl.constexpr = False):
+                      SWAP: tl.constexpr = False, EVEN: tl.constexpr = False):
     """SEQ: each program runs all S splits of its tile itself (q4_splits); else program
     (row tile, n-tile, split) runs one split and the last to arrive sums the S partials.
     SWAP: the weights as the MMA's A operand (the tile is computed transposed, [BN, BM]).
@@ -276,10 +295,10 @@ def _q4_linear_kernel(x_ptr, w_ptr, sm_ptr, res_ptr, y_ptr, ws_ptr, tickets_ptr,
     last = True
     if SEQ:
         acc = q4_splits(x_ptr, offs_m, m_mask, stride_x, w_ptr, sm_ptr, pid_n * BN, n_mask, N, K,
-                        BM, BN, NB, S, ASM, SWAP)
+                        BM, BN, NB, S, ASM, SWAP, EVEN)
     else:
         acc = q4_rows(x_ptr, offs_m, m_mask, stride_x, w_ptr, sm_ptr, pid_n * BN, n_mask, N,
-                      k_lo, k_hi, BM, BN, NB, ASM, SWAP)
+                      k_lo, k_hi, BM, BN, NB, ASM, SWAP, EVEN)
         stamp(trace_ptr, 2, TRACE)
         offs = rows * N + cols
         split_stride = M.to(tl.int64) * N
@@ -299,6 +318,13 @@ def _q4_linear_kernel(x_ptr, w_ptr, sm_ptr, res_ptr, y_ptr, ws_ptr, tickets_ptr,
 
 
 # ---- host side --------------------------------------------------------------------------------
+def even(n: int, k: int, bn: int, nb: int) -> bool:
+    """Whether a q4 weight of n outputs and k inputs fills its tiles (BN columns, 32 NB keys a
+    step) exactly: every K split (split_range: whole k steps) and every column tile in range,
+    so the K loop needs no k or column masks (the EVEN constexpr)."""
+    return n % bn == 0 and k % (32 * nb) == 0
+
+
 def use_asm(t: torch.Tensor) -> bool:
     """Inline PTX on CUDA tensors; plain Triton where the interpreter runs (CPU tensors)."""
     return t.device.type == "cuda"
@@ -352,5 +378,6 @@ def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
             ys if trace is None else trace, r1 - r0, big_n, k, xs.stride(0), res.stride(0),
             ys.stride(0), HAS_RES=residual is not None, BM=tile.bm, BN=tile.bn, NB=tile.nb,
             S=lin.split, SEQ=seq, ASM=asm, TRACE=trace is not None, SWAP=tile.swap,
+            EVEN=EVEN_STEPS and even(big_n, k, tile.bn, tile.nb),
             num_warps=tile.warps, num_stages=tile.stages, **triton_pdl.launch(x))
     return out

@@ -12,7 +12,7 @@ import pytest
 def _knobs(mode: str, expr: str) -> list[str]:
     code = (f"from bench.ab_modes import apply\napply({mode!r})\n"
             "from kernels import cuda_q4, moe_layout, q4_layout, triton_attention, "
-            "triton_linear, triton_moe, triton_moe_route, triton_norm, triton_pdl\n"
+            "triton_linear, triton_moe, triton_moe_route, triton_norm, triton_pdl, triton_q4\n"
             "from replica import memory\n"
             f"print({expr})")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -54,13 +54,14 @@ def test_the_expert_modes_set_the_stacking_tile_and_the_register_cap(mode, want)
                         "triton_moe.SEQ_MAXNREG, triton_moe.DOWN_MAXNREG") == want.split()
 
 
-@pytest.mark.parametrize("mode,want", [("pdl", "4 False False"),
-                                       ("pdl_noeprefetch_fusedmoe", "None True False"),
-                                       ("pdl_eprefetch2_inter32", "2 False True"),
-                                       ("pdl_nointer32", "4 False False")])
-def test_the_direct_expert_modes_set_the_prefetch_the_fused_launch_and_the_intermediate(mode, want):
+@pytest.mark.parametrize("mode,want", [("pdl", "4 False False False"),
+                                       ("pdl_noeprefetch_fusedmoe", "None True False False"),
+                                       ("pdl_eprefetch2_inter32", "2 False True False"),
+                                       ("pdl_even_nointer32", "4 False False True"),
+                                       ("pdl_noeven_inter32", "4 False True False")])
+def test_the_expert_modes_set_the_prefetch_the_fused_launch_the_intermediate_and_the_masks(mode, want):
     assert _knobs(mode, "triton_moe.PREFETCH_BLOCKS, triton_moe.FUSED, "
-                        "triton_moe.INTER_F32") == want.split()
+                        "triton_moe.INTER_F32, triton_q4.EVEN_STEPS") == want.split()
 
 
 @pytest.mark.parametrize("mode,want", [("pdl", "384 16"), ("pdl_mp1024_maxsplit8", "1024 8")])

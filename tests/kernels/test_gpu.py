@@ -372,11 +372,13 @@ def test_moe_direct_slots_give_the_grouped_bits(monkeypatch):
     assert not stacked.gu_tickets.any() and not stacked.down_tickets.any()
 
 
-def test_the_fp32_intermediate_gives_the_fp16_intermediates_bits(monkeypatch):
-    """triton_moe.INTER_F32 at the 30B shape: the Triton expert kernels with the intermediate in
-    float32 (moe's allocation) give the float16 intermediate's bits — the direct split programs
-    (2-8 tokens), MID_TILE (9-32) and the one-warp seq tile (33+), and through moe with the
-    combine — and a token alone (the CUDA one-token path, fp16) its bits among 64."""
+def test_the_fp32_intermediate_and_the_unmasked_k_loops_give_the_same_bits(monkeypatch):
+    """triton_moe.INTER_F32 and triton_q4.EVEN_STEPS at the 30B shapes: the Triton expert kernels
+    with the intermediate in float32 (moe's allocation) and their K loops unmasked give the
+    float16 intermediate's and the masked loops' bits — the direct split programs (2-8
+    tokens), MID_TILE (9-32) and the one-warp seq tile (33+), through moe with the combine —
+    and a token alone (the CUDA one-token path, fp16) its bits among 64; the q4 linear's
+    Triton tiles at 16 / 64 rows (qkv, o, the router, split and seq) unmasked as masked."""
     router, experts, stacked = real_moe()
     g = torch.Generator(DEV).manual_seed(12)
     x = torch.randn(64, 2048, generator=g, device=DEV)
@@ -384,10 +386,21 @@ def test_the_fp32_intermediate_gives_the_fp16_intermediates_bits(monkeypatch):
         ids, wts = torch.full((t, 8), -5, dtype=torch.int32, device=DEV), nan(t, 8)
         triton_moe_route.route(x[:t], router, 8, True, ids, wts)
         i16, y16 = nan(8 * t, 768).half(), nan(8 * t, 2048)
+        monkeypatch.setattr(triton_q4, "EVEN_STEPS", False)
         triton_moe.experts_forward(x[:t], ids, stacked, i16, y16)
         i32, y32 = nan(8 * t, 768), nan(8 * t, 2048)
+        monkeypatch.setattr(triton_q4, "EVEN_STEPS", True)
         triton_moe.experts_forward(x[:t], ids, stacked, i32, y32)
         assert torch.equal(i32.half(), i16) and torch.equal(y32, y16) and torch.isfinite(y32).all(), t
+    for n, k in ((5120, 2048), (2048, 4096), (128, 2048)):
+        lin = rand_q4(n, k, g)
+        xs = torch.randn(64, k, generator=g, device=DEV)
+        for m in (16, 64):
+            outs = []
+            for on in (False, True):
+                monkeypatch.setattr(triton_q4, "EVEN_STEPS", on)
+                outs.append(triton_linear.linear(lin, xs[:m], nan(m, n)))
+            assert torch.equal(outs[0], outs[1]) and torch.isfinite(outs[1]).all(), (n, m)
     monkeypatch.setattr(triton_moe, "INTER_F32", True)
     assert triton_moe.moe_inter_dtype(x, 64, 8, stacked) == torch.float32
     among = triton_moe.moe(x, router, stacked, 8, True)

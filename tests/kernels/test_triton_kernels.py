@@ -175,6 +175,31 @@ def test_q4_swapped_tile_gives_the_decode_tile_bits(n, k, m, monkeypatch):
     assert triton_q4.plan(lin, m)[0] == q4_layout.LINEAR_TILE
 
 
+@pytest.mark.parametrize("n,k,m", [(128, 512, 5), (64, 256, 21)])
+def test_q4_unmasked_k_loop_gives_the_masked_loops_bits(n, k, m, monkeypatch):
+    """EVEN_STEPS: a weight that fills its tiles (`even`: whole k steps, N a multiple of BN)
+    runs the K loop without k / column masks — the split programs, the seq programs and the
+    swapped tile give the masked loop's bits; one that does not keeps the masks."""
+    g = gen(n + k + m)
+    lin = triton_linear.to_gpu_format(quantize_q4(torch.randn(n, k, generator=g)))
+    tile = q4_layout.LINEAR_TILE
+    assert lin.split > 1 and triton_q4.even(n, k, tile.bn, tile.nb)
+    assert not triton_q4.even(80, 160, tile.bn, tile.nb) and not triton_q4.even(72, 512, tile.bn, tile.nb)
+    x, res = torch.randn(m, k, generator=g), torch.randn(m, n, generator=g)
+    asked = []
+    real_even = triton_q4.even
+    monkeypatch.setattr(triton_q4, "even", lambda *a: asked.append(a) or real_even(*a))
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(triton_q4, "EVEN_STEPS", on)
+        outs[on] = [triton_q4.linear(lin, x, nan(m, n), res, tile=t, seq=seq)
+                    for t, seq in ((tile, False), (tile, True), (q4_layout.SWAP_TILE, False))]
+    assert (n, k, tile.bn, tile.nb) in asked  # the launch asked, with EVEN_STEPS on
+    for a, b in zip(outs[False], outs[True]):
+        assert torch.equal(a, b) and not a.isnan().any()
+    assert rel_err(outs[True][0], lin.reference(x) + res.double()) < TOL["q4"] and not lin.tickets.any()
+
+
 SMALL_DENSE = q4_layout.Q4Tile(bm=16, bn=32, nb=2, warps=4, stages=2)  # the interpreter's size
 
 
@@ -445,20 +470,27 @@ def test_moe_matches_float64_reference(fmt, hidden, inter):
 
 
 @pytest.mark.parametrize("t", [3, 12])  # the direct split programs; the grouped seq programs
-def test_the_q4_intermediate_in_fp32_gives_the_fp16_intermediates_bits(t, monkeypatch):
-    """experts_forward with the intermediate in float32 (triton_moe.INTER_F32's route) against
-    float16: gate_up's fp32 values round (nearest even) to the fp16 ones, and down's y is
-    bitwise the same; both K splits in four. moe_inter_dtype picks float32 for q4 experts off
-    the CUDA one-token and dense paths only when INTER_F32 is on."""
+def test_the_fp32_intermediate_and_the_unmasked_k_loop_give_the_experts_bits(t, monkeypatch):
+    """experts_forward with the intermediate in float32 (triton_moe.INTER_F32's route) and the
+    K loops unmasked (triton_q4.EVEN_STEPS: gate_up 256 x 128 and down 128 x 128 fill their
+    tiles; K split in two) against the fp16 intermediate and the masked loops: gate_up's fp32
+    values round (nearest even) to the fp16 ones, and y is bitwise the same. moe_inter_dtype
+    picks float32 for q4 experts off the CUDA one-token and dense paths when INTER_F32 is on."""
     g = gen(11)
-    router, experts, stacked = _moe_setup("q4", g, hidden=256, inter=256)
-    x = torch.randn(t, 256, generator=g)
+    router, experts, stacked = _moe_setup("q4", g, hidden=128, inter=128)
+    assert (stacked.gu_split, stacked.down_split) == (2, 2)
+    x = torch.randn(t, 128, generator=g)
     ids, wts = torch.full((t, 2), -5, dtype=torch.int32), nan(t, 2)
     triton_moe_route.route(x, router, 2, True, ids, wts)
-    i16, y16 = nan(2 * t, 256).to(torch.float16), nan(2 * t, 256)
+    i16, y16 = nan(2 * t, 128).to(torch.float16), nan(2 * t, 128)
     triton_moe.experts_forward(x, ids, stacked, i16, y16)
-    i32, y32 = nan(2 * t, 256), nan(2 * t, 256)
+    asked = []
+    real_even = triton_q4.even
+    monkeypatch.setattr(triton_q4, "even", lambda *a: asked.append(a[:2]) or real_even(*a))
+    monkeypatch.setattr(triton_q4, "EVEN_STEPS", True)
+    i32, y32 = nan(2 * t, 128), nan(2 * t, 128)
     triton_moe.experts_forward(x, ids, stacked, i32, y32)
+    assert sorted(asked) == [(128, 128), (256, 128)]  # the launches asked
     assert torch.equal(i32.to(torch.float16), i16) and not torch.equal(i32, i16.float())
     assert torch.equal(y32, y16) and not y32.isnan().any()
     monkeypatch.setattr(triton_moe, "INTER_F32", True)
