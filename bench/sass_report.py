@@ -115,8 +115,9 @@ def compile_expert(kind: str, tile: Q4Tile, maxnreg: int | None, arch: int = 90,
                 "s_ptr": "*fp16", "inter_ptr": "*fp16", "ws_ptr": "*fp32", "tickets_ptr": "*i32"}
     else:
         kern = triton_moe._moe_down_kernel
-        ptrs = {"inter_ptr": "*fp32" if triton_moe.INTER_F32 else "*fp16", "meta_ptr": "*i32", "arows_ptr": "*i32", "w_ptr": "*u8",
-                "s_ptr": "*fp16", "y_ptr": "*fp32", "ws_ptr": "*fp32", "tickets_ptr": "*i32"}
+        ptrs = {"inter_ptr": "*fp32" if triton_moe.INTER_F32 else "*fp16", "meta_ptr": "*i32",
+                "arows_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*fp16", "y_ptr": "*fp32",
+                "ws_ptr": "*fp32", "tickets_ptr": "*i32"}
     # what the runtime specializes for these shapes: every pointer and every integer argument
     # outside do_not_specialize (T, TK) is a multiple of 16 — K and I among them, without which
     # Triton does not pipeline the K loop (no cp.async)

@@ -583,8 +583,8 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
     """y [T*k, hidden] ← expert(ids[t, r]) applied to x[t], row a = t*k + r; inter [T*k, I]
     (float16 for q4/q8 experts: the down GEMM rounds it to fp16 anyway, so the bits are the
     same and its bytes half; q4 experts off the CUDA one-token and dense paths take float32
-    too, the same bits: `moe_inter_dtype`). tile: the f32/q8 TileConfig, or a q4 Q4Tile with the BK the
-    experts were stacked for (default: theirs, its rows widened to WIDE_TILE's from
+    too, the same bits: `moe_inter_dtype`). tile: the f32/q8 TileConfig, or a q4 Q4Tile with
+    the BK the experts were stacked for (default: theirs, its rows widened to WIDE_TILE's from
     WIDE_MIN_TOKENS tokens); seq: whether one program runs all K splits of a q4 expert tile
     (default: from SEQ_MIN_TOKENS tokens; on CUDA grouped seq launches of up to MID_MAX_TOKENS
     tokens take MID_TILE). Neither changes a bit (kernels/triton_q4.py
@@ -653,7 +653,8 @@ def _experts_pass(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
         raise ValueError("inter [T*k, I] and y [T*k, hidden] expected")
     if y.dtype != torch.float32 or not y.is_contiguous() or not inter.is_contiguous():
         raise ValueError("inter and y must be contiguous, y float32")
-    if inter.dtype != inter_dtype(experts) and not (experts.fmt == "q4" and inter.dtype == torch.float32):
+    q4_f32 = experts.fmt == "q4" and inter.dtype == torch.float32  # (moe_inter_dtype)
+    if inter.dtype != inter_dtype(experts) and not q4_f32:
         raise ValueError(f"inter must be {inter_dtype(experts)} for {experts.fmt} experts"
                          + (" (or float32)" if experts.fmt == "q4" else ""))
     if tk == 0:
