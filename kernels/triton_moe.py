@@ -681,7 +681,7 @@ def _experts_pass(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
         meta, arows = triton_moe_route.align(ids, experts.num_experts)
         slots = arows.shape[0]
     asm = triton_q4.use_asm(x)
-    q4 = experts.fmt == "q4" and triton_q4.EVEN_STEPS
+    unmasked = experts.fmt == "q4" and triton_q4.EVEN_STEPS  # (where the weights fill their tiles)
 
     def scratch(split: int, n: int, tickets):
         if split == 1 or seq:
@@ -711,7 +711,7 @@ def _experts_pass(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
         x, meta, arows, w, s, inter, ws, tickets, t, tk, experts.inter, experts.hidden,
         x.stride(0), *strides(w, s), inter.stride(0), FMT=fmt, TOPK=top_k,
         S=experts.gu_split, SEQ=seq, DIRECT=direct,
-        EVEN=q4 and triton_q4.even(2 * experts.inter, experts.hidden, tile.bn, tile.nb), **launch)
+        EVEN=unmasked and triton_q4.even(2 * experts.inter, experts.hidden, tile.bn, tile.nb), **launch)
     # down's first weight blocks into L2 while gate_up runs (direct, PDL, q4)
     prefetch = (PREFETCH_BLOCKS or 0) if direct and launch["PDL"] and experts.fmt == "q4" else 0
     w, s = experts.down
@@ -720,7 +720,8 @@ def _experts_pass(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,
         inter, meta, arows, w, s, y, ws, tickets, t, tk, experts.hidden, experts.inter,
         inter.stride(0), *strides(w, s), y.stride(0), FMT=fmt, S=experts.down_split, SEQ=seq,
         DIRECT=direct, PREFETCH=prefetch,
-        EVEN=q4 and triton_q4.even(experts.hidden, experts.inter, tile.bn, tile.nb), **down_launch)
+        EVEN=unmasked and triton_q4.even(experts.hidden, experts.inter, tile.bn, tile.nb),
+        **down_launch)
 
 
 def _experts_f16(x: torch.Tensor, ids: torch.Tensor, experts: StackedExperts,

@@ -33,9 +33,9 @@ from kernels.triton_pdl import pdl_wait, prefetch_l2, stamp
 PREFETCH_BLOCKS = tl.constexpr(8)  # 32-blocks of K prefetched before waiting (GPU_NOTES v7)
 # the q4 K loops of weights that fill their tiles (`even`) without the k / column masks: the
 # same loads, so the same bits. sm_90 SASS (Triton 3.6, a 64-key step of the one-warp tile):
-# the linear 418 → 399 instructions, the seq experts 437 → 409, MID_TILE 409 → 391, the
-# direct experts 427 → 399 (GPU_NOTES v30). Off until measured (bench/ab_modes.py `even`,
-# `noeven`)
+# the linear 418 → 399 instructions, the seq experts 437 → 409, MID_TILE 408 → 390, the
+# direct experts 426 → 399 (gate_up; GPU_NOTES v30's table). Off until measured
+# (bench/ab_modes.py `even`, `noeven`)
 EVEN_STEPS = False
 
 
@@ -101,7 +101,7 @@ def _q4_step(acc, xr, row_mask, w_tile, sm_tile, n_mask, N, k0, k_hi, NB: tl.con
         if EVEN:
             byt = tl.load(w_tile + blk * (N * 16))
             s, m = tl.split(tl.load(sm_tile + blk * (N * 2)))
-            xm = row_mask[:, None] & (j >= 0)[None, :]
+            xm = row_mask[:, None] & (j >= 0)[None, :]  # (j >= 0: all true, the [BM, 16] shape)
         else:
             live = (kb + j) < k_hi  # [16]: all true or all false (k_hi is a block edge)
             byt = tl.load(w_tile + blk * (N * 16), mask=n_mask[None, :] & live[:, None], other=0)
@@ -130,7 +130,7 @@ def _q4_step_t(acc, xr, row_mask, w_tile, sm_tile, n_mask, N, k0, k_hi, NB: tl.c
         if EVEN:
             byt = tl.load(w_tile + blk * (N * 16))
             s, m = tl.split(tl.load(sm_tile + blk * (N * 2)))
-            xm = (j >= 0)[:, None] & row_mask[None, :]
+            xm = (j >= 0)[:, None] & row_mask[None, :]  # (all true in k: the [16, BM] shape)
         else:
             live = (kb + j) < k_hi  # [16]: all true or all false (k_hi is a block edge)
             byt = tl.load(w_tile + blk * (N * 16), mask=n_mask[:, None] & live[None, :], other=0)

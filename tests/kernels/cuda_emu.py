@@ -181,13 +181,12 @@ inline unsigned sub_f16x2(unsigned a, unsigned b) {
 inline unsigned fma_f16x2(unsigned a, unsigned b, unsigned c) { return as_u(__hfma2(as_h2(a), as_h2(b), as_h2(c))); }
 inline float silu_mul(float g, float u) { return g / (1.0f + std::exp2(-g * 1.44269504f)) * u; }
 
-// mma.m16n8k16 row.col f32.f16.f16.f32: lane (g, c) holds A (g, 2c..), (g+8, 2c..), (g, 2c+8..),
-// (g+8, 2c+8..); B (k 2c.., n g), (k 2c+8.., n g); C / D (g, 2c..), (g+8, 2c..). `pair` reads a
-// 32-bit register's two 16-bit elements (low half first)
+// mma.m16n8k16 row.col f32.f16.f16.f32 (C = D): lane (g, c) holds A (g, 2c..), (g+8, 2c..),
+// (g, 2c+8..), (g+8, 2c+8..); B (k 2c.., n g), (k 2c+8.., n g); C / D (g, 2c..), (g+8, 2c..).
+// A 32-bit register holds two fp16 elements, the low half first
 inline void half_pair(unsigned v, float& lo, float& hi) { const __half2 h = as_h2(v); lo = h2f(h.x); hi = h2f(h.y); }
-inline void mma_pairs(float& d0, float& d1, float& d2, float& d3, unsigned a0, unsigned a1,
-                      unsigned a2, unsigned a3, unsigned b0, unsigned b1, float c0, float c1,
-                      float c2, float c3, void (*pair)(unsigned, float&, float&)) {
+inline void mma(float& d0, float& d1, float& d2, float& d3, unsigned a0, unsigned a1, unsigned a2,
+                unsigned a3, unsigned b0, unsigned b1) {
   Warp& w = warp();
   const unsigned l = lane();
   uint64_t* s = w.slot[l];
@@ -197,10 +196,10 @@ inline void mma_pairs(float& d0, float& d1, float& d2, float& d3, unsigned a0, u
   for (unsigned q = 0; q < 32; ++q) {
     const unsigned g = q / 4, c = q % 4;
     const uint64_t* t = w.slot[q];
-    auto put = [&](int r, int k, unsigned v) { pair(v, A[r][k], A[r][k + 1]); };
+    auto put = [&](int r, int k, unsigned v) { half_pair(v, A[r][k], A[r][k + 1]); };
     put(g, 2 * c, t[0]); put(g + 8, 2 * c, t[1]); put(g, 2 * c + 8, t[2]); put(g + 8, 2 * c + 8, t[3]);
-    pair((unsigned)t[4], B[2 * c][g], B[2 * c + 1][g]);
-    pair((unsigned)t[5], B[2 * c + 8][g], B[2 * c + 9][g]);
+    half_pair((unsigned)t[4], B[2 * c][g], B[2 * c + 1][g]);
+    half_pair((unsigned)t[5], B[2 * c + 8][g], B[2 * c + 9][g]);
   }
   w.bar.arrive_and_wait();
   const unsigned g = l / 4, c = l % 4;
@@ -209,11 +208,7 @@ inline void mma_pairs(float& d0, float& d1, float& d2, float& d3, unsigned a0, u
     for (int k = 0; k < 16; ++k) s2 += (double)A[r][k] * B[k][n];
     return (float)(s2 + acc);
   };
-  d0 = dot(g, 2 * c, c0); d1 = dot(g, 2 * c + 1, c1); d2 = dot(g + 8, 2 * c, c2); d3 = dot(g + 8, 2 * c + 1, c3);
-}
-inline void mma(float& d0, float& d1, float& d2, float& d3, unsigned a0, unsigned a1, unsigned a2,
-                unsigned a3, unsigned b0, unsigned b1) {  // f16, C = D
-  mma_pairs(d0, d1, d2, d3, a0, a1, a2, a3, b0, b1, d0, d1, d2, d3, half_pair);
+  d0 = dot(g, 2 * c, d0); d1 = dot(g, 2 * c + 1, d1); d2 = dot(g + 8, 2 * c, d2); d3 = dot(g + 8, 2 * c + 1, d3);
 }
 
 // ldmatrix.x4: lanes 8i..8i+7 give matrix i's row addresses; lane l gets row l/4, halves 2(l%4)..
