@@ -146,17 +146,19 @@ __device__ __forceinline__ void load_x(const float* x0, const float* x1, bool v0
   }
 }
 
-// load_x for fp16 x (the MoE's intermediate, one row: the experts'): the same pairs, kept as
-// the half2 bits loaded (x_frag takes them as they are: no widening to fp32 and rounding back).
-// Every lane loads row x0, v0 or not: the other rows of the MMA then repeat row 0, whose
-// outputs alone are stored (an MMA's rows and columns do not mix), and no select or branch
-// sits beside each load.
+// load_x for fp16 x (the MoE's intermediate): the same pairs, kept as the half2 bits loaded
+// (x_frag takes them as they are: no widening to fp32 and rounding back)
 template <bool ROWS16>
 __device__ __forceinline__ void load_x(const __half* x0, const __half* x1, bool v0, bool v1,
                                        int kb, int c, unsigned p[ROWS16 ? 8 : 4]) {
-  static_assert(!ROWS16, "fp16 x: one row");
 #pragma unroll
-  for (int h = 0; h < 4; ++h) p[h] = __ldg(reinterpret_cast<const unsigned*>(x0 + kb + 2 * c + 8 * h));
+  for (int h = 0; h < 4; ++h)
+    p[h] = v0 ? __ldg(reinterpret_cast<const unsigned*>(x0 + kb + 2 * c + 8 * h)) : 0u;
+  if (ROWS16) {
+#pragma unroll
+    for (int h = 0; h < 4; ++h)
+      p[4 + h] = v1 ? __ldg(reinterpret_cast<const unsigned*>(x1 + kb + 2 * c + 8 * h)) : 0u;
+  }
 }
 
 // a pair of the ring as the fp16 pair an MMA takes: fp32 x rounded (nearest even), fp16 x as
@@ -741,7 +743,10 @@ __device__ __forceinline__ void q4_expert_cta(const void* __restrict__ xv, const
   const unsigned char* qe = qs + e * per_expert * 16;
   const unsigned* se = sm + e * per_expert;
   lane_bytes(c, sel, word);
-  const bool v0 = g == 0;  // one row: the assignment's
+  // one row, the assignment's, loaded by every lane: the MMA's other rows (x as A) or columns
+  // (SW: x as B) repeat it, and only row 0's outputs are stored (an MMA's rows and columns do
+  // not mix), so no lane selects zeros beside each load
+  const bool v0 = true;
   float acc[NT][4];
 #pragma unroll
   for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
