@@ -169,8 +169,8 @@ template <typename XT> struct XPair { using T = float2; };
 template <> struct XPair<__half> { using T = unsigned; };
 
 // The A fragment of the k16 chunk `chunk` (0: k = kb..kb+15, 1: kb+16..kb+31) from load_x's
-// pairs: rows r0 (a0a1, a4a5) and r0 + 8 (a2a3, a6a7), k = 2c, 2c+1 and 2c+8, 2c+9, rounded to
-// fp16 (nearest even); rows 8-15 are 0 unless ROWS16.
+// pairs: rows r0 (a0a1, a4a5) and r0 + 8 (a2a3, a6a7), k = 2c, 2c+1 and 2c+8, 2c+9, as fp16
+// (pair_bits: fp32 x rounded to nearest even); rows 8-15 are 0 unless ROWS16.
 template <bool ROWS16, typename P>
 __device__ __forceinline__ void x_frag(const P* p, int chunk, unsigned a[4]) {
   a[0] = pair_bits(p[2 * chunk]);
