@@ -146,38 +146,33 @@ __device__ __forceinline__ void load_x(const float* x0, const float* x1, bool v0
   }
 }
 
-// load_x for fp16 x (the MoE's intermediate): the same pairs, kept as the half2 bits loaded
-// (x_frag takes them as they are: no widening to fp32 and rounding back)
+// load_x for fp16 x (the MoE's intermediate): the same pairs, widened exactly to fp32 (x_frag
+// rounds them back to the same fp16 values)
 template <bool ROWS16>
 __device__ __forceinline__ void load_x(const __half* x0, const __half* x1, bool v0, bool v1,
-                                       int kb, int c, unsigned p[ROWS16 ? 8 : 4]) {
+                                       int kb, int c, float2 p[ROWS16 ? 8 : 4]) {
 #pragma unroll
   for (int h = 0; h < 4; ++h)
-    p[h] = v0 ? __ldg(reinterpret_cast<const unsigned*>(x0 + kb + 2 * c + 8 * h)) : 0u;
+    p[h] = v0 ? __half22float2(__ldg(reinterpret_cast<const __half2*>(x0 + kb + 2 * c + 8 * h)))
+              : make_float2(0.f, 0.f);
   if (ROWS16) {
 #pragma unroll
     for (int h = 0; h < 4; ++h)
-      p[4 + h] = v1 ? __ldg(reinterpret_cast<const unsigned*>(x1 + kb + 2 * c + 8 * h)) : 0u;
+      p[4 + h] = v1 ? __half22float2(__ldg(reinterpret_cast<const __half2*>(x1 + kb + 2 * c + 8 * h)))
+                    : make_float2(0.f, 0.f);
   }
 }
 
-// a pair of the ring as the fp16 pair an MMA takes: fp32 x rounded (nearest even), fp16 x as
-// loaded; XPair<XT>::T is the ring's slot type for x of type XT
-__device__ __forceinline__ unsigned pair_bits(float2 v) { return half2_bits(__floats2half2_rn(v.x, v.y)); }
-__device__ __forceinline__ unsigned pair_bits(unsigned v) { return v; }
-template <typename XT> struct XPair { using T = float2; };
-template <> struct XPair<__half> { using T = unsigned; };
-
 // The A fragment of the k16 chunk `chunk` (0: k = kb..kb+15, 1: kb+16..kb+31) from load_x's
-// pairs: rows r0 (a0a1, a4a5) and r0 + 8 (a2a3, a6a7), k = 2c, 2c+1 and 2c+8, 2c+9, as fp16
-// (pair_bits: fp32 x rounded to nearest even); rows 8-15 are 0 unless ROWS16.
-template <bool ROWS16, typename P>
-__device__ __forceinline__ void x_frag(const P* p, int chunk, unsigned a[4]) {
-  a[0] = pair_bits(p[2 * chunk]);
-  a[2] = pair_bits(p[2 * chunk + 1]);
+// pairs: rows r0 (a0a1, a4a5) and r0 + 8 (a2a3, a6a7), k = 2c, 2c+1 and 2c+8, 2c+9, rounded to
+// fp16 (nearest even); rows 8-15 are 0 unless ROWS16.
+template <bool ROWS16>
+__device__ __forceinline__ void x_frag(const float2* p, int chunk, unsigned a[4]) {
+  a[0] = half2_bits(__floats2half2_rn(p[2 * chunk].x, p[2 * chunk].y));
+  a[2] = half2_bits(__floats2half2_rn(p[2 * chunk + 1].x, p[2 * chunk + 1].y));
   if (ROWS16) {
-    a[1] = pair_bits(p[4 + 2 * chunk]);
-    a[3] = pair_bits(p[5 + 2 * chunk]);
+    a[1] = half2_bits(__floats2half2_rn(p[4 + 2 * chunk].x, p[4 + 2 * chunk].y));
+    a[3] = half2_bits(__floats2half2_rn(p[5 + 2 * chunk].x, p[5 + 2 * chunk].y));
   } else {
     a[1] = a[3] = 0u;
   }
@@ -198,8 +193,8 @@ __device__ __forceinline__ void load_block(const unsigned char* wb, const unsign
 }
 
 // acc += the block at kb: its low-nibble k16 chunk, then its high one, for the NT n8 tiles.
-template <bool ROWS16, int NT, typename P>
-__device__ __forceinline__ void block_mma(float acc[NT][4], const P* p, unsigned sel,
+template <bool ROWS16, int NT>
+__device__ __forceinline__ void block_mma(float acc[NT][4], const float2* p, unsigned sel,
                                           const unsigned w0[NT], const unsigned w1[NT],
                                           const unsigned s[NT]) {
   unsigned a_lo[4], a_hi[4];
@@ -220,13 +215,15 @@ __device__ __forceinline__ void block_mma(float acc[NT][4], const P* p, unsigned
 // the same 16 products of a k16 chunk in the same order (the GPU measured the swapped form's bits
 // equal, GPU_NOTES v15-v16), with half the MMAs. acc[i / 2] holds (column 8i + g, rows 2c, 2c+1)
 // and (column 8i + 8 + g, rows 2c, 2c+1).
-template <int NT, typename P>
-__device__ __forceinline__ void block_mma_sw(float acc[NT][4], const P* p, unsigned sel,
+template <int NT>
+__device__ __forceinline__ void block_mma_sw(float acc[NT][4], const float2* p, unsigned sel,
                                              const unsigned w0[NT], const unsigned w1[NT],
                                              const unsigned s[NT]) {
   static_assert(NT % 2 == 0, "the swapped registers take n8 tiles in pairs");
-  const unsigned b_lo[2] = {pair_bits(p[0]), pair_bits(p[1])};
-  const unsigned b_hi[2] = {pair_bits(p[2]), pair_bits(p[3])};
+  const unsigned b_lo[2] = {half2_bits(__floats2half2_rn(p[0].x, p[0].y)),
+                            half2_bits(__floats2half2_rn(p[1].x, p[1].y))};
+  const unsigned b_hi[2] = {half2_bits(__floats2half2_rn(p[2].x, p[2].y)),
+                            half2_bits(__floats2half2_rn(p[3].x, p[3].y))};
 #pragma unroll
   for (int i = 0; i < NT; i += 2) {
     unsigned lo0[2], hi0[2], lo1[2], hi1[2];
@@ -240,8 +237,8 @@ __device__ __forceinline__ void block_mma_sw(float acc[NT][4], const P* p, unsig
 }
 
 // block_mma, or (SW) block_mma_sw
-template <bool ROWS16, int NT, bool SW, typename P>
-__device__ __forceinline__ void block_any(float acc[NT][4], const P* p, unsigned sel,
+template <bool ROWS16, int NT, bool SW>
+__device__ __forceinline__ void block_any(float acc[NT][4], const float2* p, unsigned sel,
                                           const unsigned w0[NT], const unsigned w1[NT],
                                           const unsigned s[NT]) {
   if constexpr (SW) {
@@ -276,7 +273,7 @@ __device__ __forceinline__ void ring_acc(float acc[NT][4], const unsigned char* 
                                          const XT* x1, bool v0, bool v1, int N, int k_lo,
                                          int k_hi, int n0, int g, int c, int word, unsigned sel) {
   unsigned w0[D][NT], w1[D][NT], wsm[D][NT];
-  typename XPair<XT>::T xp[D][ROWS16 ? 8 : 4];
+  float2 xp[D][ROWS16 ? 8 : 4];
   const int nb = (k_hi - k_lo) >> 5;
   const long wstep = (long)N * 16;  // bytes from a column's block to its next block
   const unsigned char* wb = qs + ((long)(k_lo >> 5) * N + n0 + g) * 16 + word;
@@ -743,10 +740,7 @@ __device__ __forceinline__ void q4_expert_cta(const void* __restrict__ xv, const
   const unsigned char* qe = qs + e * per_expert * 16;
   const unsigned* se = sm + e * per_expert;
   lane_bytes(c, sel, word);
-  // one row, the assignment's, loaded by every lane: the MMA's other rows (x as A) or columns
-  // (SW: x as B) repeat it, and only row 0's outputs are stored (an MMA's rows and columns do
-  // not mix), so no lane selects zeros beside each load
-  const bool v0 = true;
+  const bool v0 = g == 0;  // one row: the assignment's
   float acc[NT][4];
 #pragma unroll
   for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
