@@ -54,9 +54,9 @@ def test_the_expert_modes_set_the_stacking_tile_and_the_register_cap(mode, want)
                         "triton_moe.SEQ_MAXNREG, triton_moe.DOWN_MAXNREG") == want.split()
 
 
-@pytest.mark.parametrize("mode,want", [("pdl", "4 False False False"),
-                                       ("pdl_noeprefetch_fusedmoe", "None True False False"),
-                                       ("pdl_eprefetch2_inter32", "2 False True False"),
+@pytest.mark.parametrize("mode,want", [("pdl", "4 False True True"),
+                                       ("pdl_noeprefetch_fusedmoe", "None True True True"),
+                                       ("pdl_eprefetch2_inter32", "2 False True True"),
                                        ("pdl_even_nointer32", "4 False False True"),
                                        ("pdl_noeven_inter32", "4 False True False")])
 def test_the_expert_modes_set_the_prefetch_the_fused_launch_the_intermediate_and_the_masks(mode, want):
