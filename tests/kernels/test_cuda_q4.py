@@ -47,6 +47,22 @@ def test_every_kernel_waits_on_its_predecessor_and_the_ring_loads_weights_before
             assert re.search(r"ld\.global\.nc\.v2\.f32", body[wait:]), name  # x: after
 
 
+@pytest.mark.skipif(not HAVE_NVRTC, reason="needs NVRTC and the CUDA headers")
+def test_the_preload_probe_fetches_its_weights_before_the_wait_and_x_after(tmp_path):
+    """bench/preload_probe.py's kernel: both entries compile for sm_90 without a spill, each
+    issues its cp.async weight copies before griddepcontrol.wait and loads x only after it."""
+    from bench import preload_probe
+
+    code = cuda_q4._compile("compute_90", preload_probe.SOURCE)
+    built = ptxas.report(code, tmp_path)
+    assert set(built) == {"pre_gemv16", "pre_gemv32"}
+    assert not any(spill for _, spill in built.values())
+    for body in code.decode().split(".visible .entry ")[1:]:
+        wait = body.index("griddepcontrol.wait;")
+        assert "cp.async.cg.shared.global" in body[:wait]
+        assert "ld.global" in body[wait:] and "ld.global" not in body[:wait]
+
+
 def test_the_launch_structures_match_the_driver_header(tmp_path):
     """cuLaunchKernelEx's CUlaunchConfig / CUlaunchAttribute as cuda_q4 lays them out in
     ctypes, and the PDL attribute's number, against cuda.h (compiled with the host's C
