@@ -26,6 +26,8 @@ each, and sums their partials in split order 0..S-1 through shared memory — no
 partials in global memory, so no global round trip between a split's end and the merge. Same
 arithmetic, same order: the decode tile's bits (tests on the H100, S = 1-8, 1-40 rows). H100,
 cold weights, 1 row: qkv 11.1 → 7.7 µs, o 8.1 → 5.8 µs against the Triton tile (GPU_NOTES v17).
+At <= 8 rows its warps may instead stream their whole splits into shared memory, the copies
+issued before the PDL wait (`CTA_STREAM`, off; `cta_streams`): the same MMAs in the same order.
 
 A second form (`swap_linear`, `q4_swap`) swaps the MMA's operands for 9-255 rows: the weights
 as A (a warp's 16 or 32 features, each weight dequantized once), x as B for all of the CTA's
@@ -312,17 +314,21 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 // acc += the same split, its weights streamed whole into shared memory first: the warp issues
 // cp.async for all its blocks at once (4 commit groups of nb / 4 blocks), so every byte of the
 // split is in flight together, then computes each group as it lands (x through a 4-slot
-// register ring). Shared memory: nb x 8 NT x 20 bytes a warp (one warp a CTA). nb % 16 == 0.
-template <bool ROWS16, int NT, int P = 0>
+// register ring). Shared memory: nb x 8 NT x 20 bytes a warp from byte `off`. nb % 16 == 0.
+// EARLY: the copies issued before the PDL wait (they are weights: no kernel writes them), x
+// after it (the CTA form; the split programs wait first). SW: block_mma_sw (P 0 only).
+template <bool ROWS16, int NT, int P = 0, bool SW = false, bool EARLY = false>
 __device__ __forceinline__ void stream_acc(float acc[NT][4], const unsigned char* __restrict__ qs,
                                            const unsigned* __restrict__ sm, const float* x0,
                                            const float* x1, bool v0, bool v1, int N, int k_lo,
-                                           int k_hi, int n0, int g, int c, int word, unsigned sel) {
+                                           int k_hi, int n0, int g, int c, int word, unsigned sel,
+                                           int off = 0) {
+  static_assert(!(SW && P), "the probes take x as A");
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int QB = NT * 8 * 16, SB = NT * 8 * 4, CH = (QB + SB) / 16;  // bytes, 16 B chunks a block
   const int lane = threadIdx.x & 31;
   const int nb = (k_hi - k_lo) >> 5, per_group = nb >> 2;
-  unsigned char* sq = smem + (threadIdx.x >> 5) * nb * (QB + SB);  // this warp's part
+  unsigned char* sq = smem + off + (threadIdx.x >> 5) * nb * (QB + SB);  // this warp's part
   unsigned char* ss = sq + nb * QB;
   const unsigned char* gq = qs + ((long)(k_lo >> 5) * N + n0) * 16;
   const unsigned char* gs = reinterpret_cast<const unsigned char*>(sm + (long)(k_lo >> 5) * N + n0);
@@ -337,6 +343,7 @@ __device__ __forceinline__ void stream_acc(float acc[NT][4], const unsigned char
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
   }
+  if constexpr (EARLY) pdl_wait();
   float2 xp[4][ROWS16 ? 8 : 4];
   float acc2[NT][4] = {};
   const float* xa = x0 + k_lo;
@@ -366,7 +373,7 @@ __device__ __forceinline__ void stream_acc(float acc[NT][4], const unsigned char
         else if (P == 3 && (j & 1))  // probe: odd blocks on a second accumulator chain
           block_mma<ROWS16, NT>(acc2, xp[j], sel, w0, w1, s);
         else
-          block_mma<ROWS16, NT>(acc, xp[j], sel, w0, w1, s);
+          block_any<ROWS16, NT, SW>(acc, xp[j], sel, w0, w1, s);
         if (b + 4 < nb) load_x<ROWS16>(xa, xb, v0, v1, 32 * (b + 4), c, xp[j]);
       }
     }
@@ -639,7 +646,9 @@ __device__ __forceinline__ void q4_swap(const float* __restrict__ x, const unsig
 // added: q4_split's arithmetic in q4_split's order, so its bits. grid (N / (8 NT), 1,
 // cdiv(M, 16)); block 32 S; dynamic shared memory S x 16 x 8 NT floats.
 // (cta_partials: up to the split partials in shared memory, after the CTA's barrier; SW: the
-// swapped registers, block_mma_sw)
+// swapped registers, block_mma_sw. D 0: each warp's split streamed whole into shared memory
+// behind the partials, S x nb x 8 NT x 20 bytes more, its copies issued before the PDL wait —
+// stream_acc's arithmetic is ring_acc's, so the same bits)
 template <bool ROWS16, int NT, int D, bool SW = false>
 __device__ __forceinline__ float* cta_partials(const float* __restrict__ x,
                                                const unsigned char* __restrict__ qs,
@@ -661,7 +670,11 @@ __device__ __forceinline__ float* cta_partials(const float* __restrict__ x,
   float acc[NT][4];
 #pragma unroll
   for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-  ring_acc<ROWS16, NT, D, SW>(acc, qs, sm, x0, x1, v0, v1, N, k_lo, k_hi, n0, g, c, word, sel);
+  if constexpr (D == 0)
+    stream_acc<ROWS16, NT, 0, SW, true>(acc, qs, sm, x0, x1, v0, v1, N, k_lo, k_hi, n0, g, c,
+                                        word, sel, S * 16 * C * 4);
+  else
+    ring_acc<ROWS16, NT, D, SW>(acc, qs, sm, x0, x1, v0, v1, N, k_lo, k_hi, n0, g, c, word, sel);
   float* mine = part + sp * 16 * C;
   if constexpr (SW) {  // rows 2c, 2c + 1 of columns 8i + g and 8i + 8 + g
 #pragma unroll
@@ -851,6 +864,8 @@ EXTRA = r"""
 Q4_ROWS(8) Q4_ROWS(16) Q4_ENTRY(8, 1, 8) Q4_ENTRY(8, 2, 8)  // (16 rows at depth 8 spill)
 // depth 0: the split streamed whole into shared memory (stream_acc)
 Q4_ENTRY(8, 1, 0) Q4_ENTRY(8, 2, 0) Q4_ENTRY(8, 4, 0) Q4_ENTRY(16, 1, 0) Q4_ENTRY(16, 2, 0) Q4_ENTRY(16, 4, 0)
+// the CTA form at <= 8 rows with each warp's split streamed whole before the wait (CTA_STREAM)
+Q4_CTA(8, 1, 0) Q4_CTA(8, 2, 0) Q4_CTA(8, 4, 0) Q4_CTAS(2, 0) Q4_CTAS(4, 0)
 // probes (bench only, wrong values): P 1 the streamed loads alone (no MMAs, no merge), P 2 without the
 // split merge (every split writes y), P 3 two accumulator chains (even / odd blocks)
 extern "C" __global__ void q4_probe1(Q4_ARGS) { q4_split<false, 2, 0, 1>(Q4_PASS); }
@@ -974,6 +989,8 @@ EXTRA_ENTRIES = tuple(f"q4_split{rows}_{cols // 8}_d{d}".encode()
                       if cols * d <= 128 and (d < 8 or rows == 8))
 EXTRA_ENTRIES += tuple(f"q4_swap{mt}_{ng}_w{w}".encode() for mt, ng, w in SWAP_FORMS) + PROBES
 EXTRA_ENTRIES += tuple(e for e in _cta_entries(False) if e not in ENTRIES)
+EXTRA_ENTRIES += tuple(f"q4_cta{sw}8_{c // 8}_d0".encode() for c in (8, 16, 32)
+                       for sw in ("", "s") if not (sw and c == 8))
 STREAM = 0  # the depth that names the other form: the warp's split streamed into shared memory
 COLS = 16  # columns a warp by default (the fastest at 1-8 rows of qkv, GPU_NOTES v15)
 DEPTH = 8  # blocks a warp keeps in flight (register ring slots), or STREAM
@@ -1010,6 +1027,13 @@ EXPERT_EARLY = True
 # +0.9% at context 128, +1.1-1.4% at 2,048; 64 streams unchanged); False: x as A (bench/ab_modes.py `noswregs`; those entries
 # are in the extra module)
 SWAP_REGS = True
+# the CTA form at <= 8 rows with each warp's whole split streamed into shared memory, its
+# copies issued before the PDL wait (q4_cta{s}8_{NT}_d0, where `cta_streams`), instead of the
+# register ring's first D blocks: every weight byte of the kernel in flight while its
+# predecessor ends. The same arithmetic in the same order, so the same bits. A one-row probe
+# of the idea (bench/preload_probe.py, H100) ran a phase in 4.53 µs against the CTA form's
+# 5.13 (GPU_NOTES v32). Off until measured in the engine (bench/ab_modes.py `ctastream`)
+CTA_STREAM = False
 _BIG_SMEM: set = set()  # kernels given more than 48 KB of dynamic shared memory
 _TICKETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Q4Linear → {key: tickets}
 
@@ -1110,15 +1134,20 @@ def linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
     shared memory at once.
     probe: a PROBES kernel to launch instead (bench only: wrong values). cta (default CTA):
     the CTA form where it applies (a ring depth, ≤ CTA_MAX_SPLIT splits), a CTA the splits of
-    a column tile (`warps` ignored)."""
+    a column tile (`warps` ignored); cta=True with depth STREAM: the CTA form with each warp's
+    split streamed into shared memory before the PDL wait (`cta_streams`; the default where
+    CTA_STREAM and no depth is asked)."""
     n, big_n, k = x.shape[0], lin.out_features, lin.in_features
-    chosen = depth is not None
+    chosen, cta_asked = depth is not None, cta is True
     if cols is None and FILL_COLS and big_n % 8 == 0 and x.is_cuda and big_n // COLS < _sm_count(x.device.index or 0):
         cols = 8
     cols, depth = cols or COLS, DEPTH if depth is None else depth
     cta = CTA if cta is None else cta
-    if cta and probe is None and depth != STREAM and cta_takes(lin, cols):
-        return _cta_linear(lin, x, out, residual, cols, depth, chosen)
+    if cta and probe is None and cta_takes(lin, cols):
+        if not chosen and CTA_STREAM and cta_streams(lin, n, cols):
+            return _cta_linear(lin, x, out, residual, cols, STREAM, True)
+        if depth != STREAM or (cta_asked and cta_streams(lin, n, cols)):
+            return _cta_linear(lin, x, out, residual, cols, depth, chosen)
     _check(x, out, residual)
     if cols not in (8, 16, 32) or big_n % cols or k % 64 or LINEAR_TILE.bk != 64 \
             or depth not in (STREAM, 2, 4, 8) or cols * depth > 128:
@@ -1161,13 +1190,42 @@ def cta_takes(lin: Q4Linear, cols: int) -> bool:
     return lin.split <= CTA_SPLITS_256 or (lin.split <= CTA_MAX_SPLIT and cols in (8, 16))
 
 
+def cta_streams(lin: Q4Linear, rows: int, cols: int) -> bool:
+    """Whether the streamed CTA form (depth STREAM: q4_cta{s}8_{NT}_d0) takes lin at `rows`
+    rows and `cols` columns a warp: at most 8 rows and CTA_SPLITS_256 splits, every split whole
+    groups of 16 blocks, its shared memory within the device's 227 KB."""
+    s, k = lin.split, lin.in_features
+    blocks = k // 32 // s
+    return (0 < rows <= 8 and s <= CTA_SPLITS_256 and cols in (8, 16, 32) and k % (64 * s) == 0
+            and blocks % 16 == 0 and _stream_smem(s, blocks, cols) <= 227 * 1024)
+
+
+def _stream_smem(splits: int, blocks: int, cols: int) -> int:
+    """Dynamic shared memory of the streamed CTA form: the split partials (16 rows), then each
+    warp's blocks (16 bytes of nibbles and a 4-byte scale pair a column)."""
+    return splits * 16 * cols * 4 + splits * blocks * cols * 20
+
+
 def _cta_linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
                 residual: torch.Tensor | None, cols: int, depth: int,
                 chosen: bool = False) -> torch.Tensor:
     """`linear` in the CTA form (q4_cta); depth (unless chosen by the caller) 4 for splits
-    of fewer than CTA_DEEP_BLOCKS blocks."""
+    of fewer than CTA_DEEP_BLOCKS blocks; STREAM: each warp's split streamed whole before the
+    wait, where `cta_streams` (else the ring's default depth)."""
     n, big_n, k = x.shape[0], lin.out_features, lin.in_features
     _check(x, out, residual)
+    if depth == STREAM:
+        if cta_streams(lin, n, cols) and big_n % cols == 0 and LINEAR_TILE.bk == 64:
+            cuda, fns = _functions(x.device.index or 0)
+            sw = "s" if SWAP_REGS and cols > 8 else ""
+            res, sm = residual if residual is not None else out, lin.sm.view(torch.int32)
+            _launch(cuda, fns[f"q4_cta{sw}8_{cols // 8}_d0".encode()], (big_n // cols, 1, 1),
+                    32 * lin.split, _stream_smem(lin.split, k // 32 // lin.split, cols),
+                    (x, lin.qs, sm, res, out, out, sm),
+                    (n, big_n, k, x.stride(0), res.stride(0), out.stride(0), lin.split,
+                     int(residual is not None)))
+            return out
+        depth, chosen = DEPTH, False
     if cols not in (8, 16, 32) or big_n % cols or k % 64 or LINEAR_TILE.bk != 64 \
             or depth not in (2, 4, 8) or cols * depth > 128 or not cta_takes(lin, cols):
         raise ValueError("cuda_q4: the CTA form needs cols 8, 16 or 32 dividing N, K a multiple "

@@ -150,6 +150,48 @@ def test_the_swapped_registers_give_the_cta_forms_bits_on_the_emulator(emu, monk
     assert want <= set(names), sorted(set(names))
 
 
+def test_the_streamed_cta_form_gives_the_ring_cta_forms_bits_on_the_emulator(emu, monkeypatch):
+    """cuda_q4.CTA_STREAM (q4_cta{s}8_{NT}_d0: each warp's split copied whole into shared
+    memory behind the partials before the wait): at 1-8 rows, 8 / 16 / 32 columns a warp, x
+    as A and swapped, 1-4 splits, with and without the residual, the register ring's bits and
+    every output written; the knob routes the default launch to it, and a weight whose splits
+    are not whole groups of 16 blocks keeps the ring."""
+    import dataclasses
+
+    from kernels import triton_linear
+    from kernels.linear import quantize_q4
+    g = torch.Generator().manual_seed(11)
+    n, k = 128, 2048
+    base = triton_linear.to_gpu_format(quantize_q4(torch.randn(n, k, generator=g)))
+    x, res = torch.randn(8, k, generator=g), torch.randn(8, n, generator=g)
+    names, real = [], cuda_q4._launch
+    with cuda_emu.emulated(emu):
+        emu_launch = cuda_q4._launch
+        cuda_q4._launch = lambda cuda, fn, *a: (names.append(fn), emu_launch(cuda, fn, *a))
+        for split, cols, sw in ((1, 16, True), (2, 8, False), (4, 32, True), (4, 16, False)):
+            monkeypatch.setattr(cuda_q4, "SWAP_REGS", sw)
+            lin = dataclasses.replace(base, split=split)
+            assert cuda_q4.cta_streams(lin, 8, cols) and not cuda_q4.cta_streams(lin, 9, cols)
+            for rows, with_res in ((1, True), (5, False), (8, True)):
+                r = res[:rows] if with_res else None
+                nan = torch.full((rows, n), float("nan"))
+                ring = cuda_q4.linear(lin, x[:rows], nan.clone(), r, cols=cols, depth=4, cta=True)
+                got = cuda_q4.linear(lin, x[:rows], nan.clone(), r, cols=cols,
+                                     depth=cuda_q4.STREAM, cta=True)
+                assert not got.isnan().any(), (split, cols, rows)
+                assert torch.equal(got, ring), (split, cols, sw, rows)
+        monkeypatch.setattr(cuda_q4, "CTA_STREAM", True)
+        monkeypatch.setattr(cuda_q4, "SWAP_REGS", True)
+        names.clear()
+        cuda_q4.linear(dataclasses.replace(base, split=2), x[:1], torch.empty(1, n), cols=16)
+        odd = dataclasses.replace(triton_linear.to_gpu_format(quantize_q4(torch.randn(n, 1536, generator=g))),
+                                  split=2)  # 24 blocks a split
+        assert not cuda_q4.cta_streams(odd, 1, 16)
+        cuda_q4.linear(odd, x[:1, :1536], torch.empty(1, n), cols=16)
+    assert cuda_q4._launch is real
+    assert names == ["q4_ctas8_2_d0", "q4_ctas8_2_d4"], names
+
+
 # a thread block cluster's primitives as the emulator rewrites them: the CTA's rank, the
 # cluster barrier, mapa, and loads / stores into another CTA's shared memory
 CLUSTER_KERNEL = r"""

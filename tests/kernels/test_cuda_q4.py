@@ -35,7 +35,8 @@ def test_the_cuda_q4_source_compiles_for_hopper_without_spills(tmp_path, part):
 @pytest.mark.skipif(not HAVE_NVRTC, reason="needs NVRTC and the CUDA headers")
 def test_every_kernel_waits_on_its_predecessor_and_the_ring_loads_weights_before_that():
     """PDL: every entry runs griddepcontrol.wait (before reading what a kernel wrote); the
-    CTA forms issue their first ring blocks' weight loads before it, and x's after."""
+    CTA forms issue their first ring blocks' weight loads before it (the streamed ones, d0,
+    their cp.async copies), and x's after."""
     code = "".join(cuda_q4.ptx("compute_90", part=part).decode() for part in cuda_q4.PARTS)
     bodies = {b.split("(")[0]: b for b in code.split(".visible .entry ")[1:]}
     assert set(bodies) == {e.decode() for e in cuda_q4.ENTRIES + cuda_q4.EXTRA_ENTRIES}
@@ -43,7 +44,8 @@ def test_every_kernel_waits_on_its_predecessor_and_the_ring_loads_weights_before
         assert "griddepcontrol.wait;" in body and "griddepcontrol.launch_dependents;" in body, name
         if name.startswith("q4_cta"):
             wait = body.index("griddepcontrol.wait;")
-            assert body.index("ld.global.nc") < wait, name  # the weights: before
+            weights = "cp.async.cg.shared.global" if name.endswith("_d0") else "ld.global.nc"
+            assert body.index(weights) < wait, name  # the weights: before
             assert re.search(r"ld\.global\.nc\.v2\.f32", body[wait:]), name  # x: after
 
 
@@ -171,7 +173,8 @@ def test_the_cta_form_gives_the_decode_tile_bits(monkeypatch, n, k, programs):
     """q4_cta (a CTA a column tile's splits, merged in shared memory): the split programs'
     bits at 1-40 rows (one and several row tiles), with and without the residual, for split
     counts of 1-16 (the weights re-split for `programs`; above 8 the 512-thread entries); at
-    1-8 rows of 16 or 32 columns a warp also with the MMA's operands swapped (SWAP_REGS)."""
+    1-8 rows of 16 or 32 columns a warp also with the MMA's operands swapped (SWAP_REGS), and
+    streamed whole before the wait (depth STREAM, CTA_STREAM's form) where `cta_streams`."""
     from bench.kernel_bench import rand_q4
     from kernels import q4_layout, triton_q4
 
@@ -184,9 +187,13 @@ def test_the_cta_form_gives_the_decode_tile_bits(monkeypatch, n, k, programs):
         res = torch.randn(m, n, generator=g, device="cuda")
         want = triton_q4.linear(lin, x, nan(m), res, tile=q4_layout.LINEAR_TILE, seq=False)
         bare = triton_q4.linear(lin, x, nan(m), tile=q4_layout.LINEAR_TILE, seq=False)
+        stream = cuda_q4.STREAM
         for cols, depth, sw in ((8, 8, False), (16, 8, False), (16, 4, False), (32, 4, False),
-                                (8, 2, False), (16, 8, True), (16, 2, True), (32, 4, True)):
+                                (8, 2, False), (16, 8, True), (16, 2, True), (32, 4, True),
+                                (8, stream, False), (16, stream, True), (32, stream, False)):
             if n % cols or not cuda_q4.cta_takes(lin, cols) or (sw and m > 8):
+                continue
+            if depth == stream and not cuda_q4.cta_streams(lin, m, cols):
                 continue
             monkeypatch.setattr(cuda_q4, "SWAP_REGS", sw)
             got = cuda_q4.linear(lin, x, nan(m), res, cols=cols, depth=depth, cta=True)
