@@ -62,6 +62,9 @@ def apply(mode: str) -> None:
     if 'cudapdl' in mode:  # cuda_q4's kernels launched with PDL (the default since v19), or
         from kernels import cuda_q4  # plainly (nocudapdl)
         cuda_q4.PDL = 'nocudapdl' not in mode
+    if 'estream' in mode:  # cuda_q4's one-token gate_up with each warp's split streamed whole
+        from kernels import cuda_q4  # (EXPERT_STREAM; noestream: the ring)
+        cuda_q4.EXPERT_STREAM = 'noestream' not in mode
     if 'cstream' in mode:  # cuda_q4's CTA form at <= 8 rows with each warp's split streamed
         from kernels import cuda_q4  # whole before the wait (CTA_STREAM; nocstream: the ring)
         cuda_q4.CTA_STREAM = 'nocstream' not in mode

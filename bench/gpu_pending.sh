@@ -2,8 +2,8 @@
 # The next session's first device call (kernels/GPU_NOTES.md, v32 "Next"), printing as it
 # goes; every step has its own timeout so a hang costs that step only. It re-checks the kernel
 # bits on whatever machine comes, takes the defaults' baseline at contexts 128 / 2,048 x 1 / 64,
-# runs the ab modes of MODES beside them (v32: `cstream`, the CTA form's splits streamed whole
-# before the wait, and v30's defaults, `noeven_nointer32`, for the H200's reading of the q4 K
+# runs the ab modes of MODES beside them (v32: `cstream` / `estream`, the CTA form's splits
+# streamed whole before the wait / the one-token gate_up's streamed whole, and v30's defaults, `noeven_nointer32`, for the H200's reading of the q4 K
 # loops unmasked and the fp32 intermediate, measured on the H100 only), the engine's bitwise
 # sets under BITWISE_MODES and under one that beats them at 128 x 1 (the judge before a mode
 # may become a default), then the paged attention's phases timed
@@ -26,8 +26,10 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 stamp "bits: cuda_q4 (CTA form, PDL chain in a graph, direct experts), the MoE, paged attention"
 # (cuda_q4's own set when Q4_TESTS=1: its core PTX has not changed since v22's calls, 30 passed)
 [ -n "${Q4_TESTS-}" ] && timeout 200 python -m pytest -q -n 0 tests/kernels/test_cuda_q4.py 2>&1 | tail -4
-# (v32: the streamed CTA form, CTA_STREAM, new: its bits against the split programs')
-[ -z "${Q4_TESTS-}" ] && timeout 200 python -m pytest -q -n 0 tests/kernels/test_cuda_q4.py -k cta_form 2>&1 | tail -2
+# (v32: the streamed CTA form and one-token gate_up, CTA_STREAM and EXPERT_STREAM, new: their
+# bits against the split programs')
+[ -z "${Q4_TESTS-}" ] && timeout 240 python -m pytest -q -n 0 tests/kernels/test_cuda_q4.py \
+  -k "cta_form or direct_experts" 2>&1 | tail -2
 timeout 150 python -m pytest -q -n 0 tests/kernels/test_gpu.py \
   -k "moe_at_real or paged_attention_at_real or norms_rope or fp32_intermediate" 2>&1 | tail -3
 
@@ -44,7 +46,7 @@ if [ -n "${T144-}" ]; then
     TAG=_t144 bash bench/gpu_ab.sh 2>&1 | grep -v "^KV pool\|^NVIDIA\|^torch"
 fi
 
-MODES=${MODES-pdl_cstream pdl_noeven_nointer32 pdl}
+MODES=${MODES-pdl_cstream pdl_estream pdl_cstream_estream pdl_noeven_nointer32 pdl}
 BITWISE_MODES=${BITWISE_MODES-}
 [ -n "$MODES" ] && KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=${TAIL:-7} T_ENGINE=${T_ENGINE:-150} \
   ENGINE_MODES="$MODES" CONTEXT=${BASE_CONTEXT:-128,2048} STREAMS=${BASE_STREAMS:-1,64} TAG=_base \

@@ -759,8 +759,13 @@ __device__ __forceinline__ void q4_expert_cta(const void* __restrict__ xv, const
   for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
   if constexpr (GATE_UP) {
     const float* x0 = reinterpret_cast<const float*>(xv) + (long)(a / topk) * stride_x;
-    ring_acc<false, NT, D, SW>(acc, qe, se, x0, x0, v0, false, N, k_lo, k_hi, n0, g, c, word, sel);
+    if constexpr (D == 0)  // (EXPERT_STREAM: the split streamed whole, behind the partials)
+      stream_acc<false, NT, 0, SW>(acc, qe, se, x0, x0, v0, false, N, k_lo, k_hi, n0, g, c,
+                                   word, sel, S * C * 4);
+    else
+      ring_acc<false, NT, D, SW>(acc, qe, se, x0, x0, v0, false, N, k_lo, k_hi, n0, g, c, word, sel);
   } else {
+    static_assert(D > 0, "down streams no split");
     const __half* x0 = reinterpret_cast<const __half*>(xv) + (long)a * stride_x;
     ring_acc<false, NT, D, SW>(acc, qe, se, x0, x0, v0, false, N, k_lo, k_hi, n0, g, c, word, sel);
   }
@@ -866,6 +871,9 @@ Q4_ROWS(8) Q4_ROWS(16) Q4_ENTRY(8, 1, 8) Q4_ENTRY(8, 2, 8)  // (16 rows at depth
 Q4_ENTRY(8, 1, 0) Q4_ENTRY(8, 2, 0) Q4_ENTRY(8, 4, 0) Q4_ENTRY(16, 1, 0) Q4_ENTRY(16, 2, 0) Q4_ENTRY(16, 4, 0)
 // the CTA form at <= 8 rows with each warp's split streamed whole before the wait (CTA_STREAM)
 Q4_CTA(8, 1, 0) Q4_CTA(8, 2, 0) Q4_CTA(8, 4, 0) Q4_CTAS(2, 0) Q4_CTAS(4, 0)
+// the one-token gate_up with each warp's split streamed whole (EXPERT_STREAM)
+Q4_EXPERT(gu, true, 1, 0) Q4_EXPERT(gu, true, 2, 0) Q4_EXPERT(gu, true, 4, 0) Q4_EXPERT_SW(gu, true, 2, 0)
+Q4_EXPERT_SW(gu, true, 4, 0)
 // probes (bench only, wrong values): P 1 the streamed loads alone (no MMAs, no merge), P 2 without the
 // split merge (every split writes y), P 3 two accumulator chains (even / odd blocks)
 extern "C" __global__ void q4_probe1(Q4_ARGS) { q4_split<false, 2, 0, 1>(Q4_PASS); }
@@ -989,7 +997,9 @@ EXTRA_ENTRIES = tuple(f"q4_split{rows}_{cols // 8}_d{d}".encode()
                       if cols * d <= 128 and (d < 8 or rows == 8))
 EXTRA_ENTRIES += tuple(f"q4_swap{mt}_{ng}_w{w}".encode() for mt, ng, w in SWAP_FORMS) + PROBES
 EXTRA_ENTRIES += tuple(e for e in _cta_entries(False) if e not in ENTRIES)
-EXTRA_ENTRIES += tuple(f"q4_cta{sw}8_{c // 8}_d0".encode() for c in (8, 16, 32)
+EXTRA_ENTRIES += tuple(f"q4_{kind}{sw}8_{c // 8}_d0".encode() if kind == "cta"
+                       else f"q4_e{sw}gu{c // 8}_d0".encode()
+                       for kind in ("cta", "gu") for c in (8, 16, 32)
                        for sw in ("", "s") if not (sw and c == 8))
 STREAM = 0  # the depth that names the other form: the warp's split streamed into shared memory
 COLS = 16  # columns a warp by default (the fastest at 1-8 rows of qkv, GPU_NOTES v15)
@@ -1027,6 +1037,12 @@ EXPERT_EARLY = True
 # +0.9% at context 128, +1.1-1.4% at 2,048; 64 streams unchanged); False: x as A (bench/ab_modes.py `noswregs`; those entries
 # are in the extra module)
 SWAP_REGS = True
+# the one-token gate_up (q4_e{s}gu{NT}_d0) with each warp's whole split streamed into shared
+# memory (after the wait: its expert comes from the top-k, its predecessor), every byte of it
+# in flight at once instead of EXPERT_DEPTH blocks a warp; down keeps its ring (its splits are
+# not whole groups of 16 blocks at the 30B shape). The same MMAs in the same order, so the
+# same bits. Off until measured (bench/ab_modes.py `estream`)
+EXPERT_STREAM = False
 # the CTA form at <= 8 rows with each warp's whole split streamed into shared memory, its
 # copies issued before the PDL wait (q4_cta{s}8_{NT}_d0, where `cta_streams`), instead of the
 # register ring's first D blocks: every weight byte of the kernel in flight while its
@@ -1280,10 +1296,16 @@ def experts_direct(x: torch.Tensor, ids: torch.Tensor, experts, inter: torch.Ten
     """triton_moe's direct q4 experts (a slot per assignment) in the CTA form (q4_expert_cta):
     inter [T*k, I] fp16 = silu(x W_gate.T) * (x W_up.T), then y [T*k, hidden] = inter W_down.T,
     each (assignment, column tile) a CTA of the weight's K splits, merged in split order —
-    the direct split programs' bits. x [T, hidden] fp32; ids [T, k] int32 contiguous."""
-    cols, depth = cols or EXPERT_COLS, depth or EXPERT_DEPTH
+    the direct split programs' bits. x [T, hidden] fp32; ids [T, k] int32 contiguous.
+    depth STREAM (the default where EXPERT_STREAM): gate_up's splits streamed whole into
+    shared memory where they are whole groups of 16 blocks, down on EXPERT_DEPTH's ring."""
+    if depth is None and EXPERT_STREAM:
+        depth = STREAM
+    cols, stream = cols or EXPERT_COLS, depth == STREAM
+    depth = EXPERT_DEPTH if stream else depth or EXPERT_DEPTH
     if cols not in (8, 16, 32) or depth not in (2, 4, 8) or cols * depth > 128:
-        raise ValueError("cuda_q4: expert cols 8, 16 or 32 and depth 2, 4 or 8 (cols x depth ≤ 128)")
+        raise ValueError("cuda_q4: expert cols 8, 16 or 32 and depth 2, 4 or 8 (cols x depth ≤ 128), "
+                         "or STREAM")
     if ids.dtype != torch.int32 or not ids.is_contiguous() or inter.dtype != torch.float16 \
             or not inter.is_contiguous() or y.dtype != torch.float32 or not y.is_contiguous():
         raise ValueError("cuda_q4: ids int32, inter fp16 and y fp32, all contiguous")
@@ -1300,8 +1322,11 @@ def experts_direct(x: torch.Tensor, ids: torch.Tensor, experts, inter: torch.Ten
         while blocks % d:
             d //= 2
         sw = "s" if SWAP_REGS and cols > 8 else ""
+        smem = split * cols * 4
+        if stream and kind == "gu" and k % (64 * split) == 0 and blocks % 16 == 0:
+            d, smem = STREAM, smem + split * blocks * cols * 20
         _launch(cuda, fns[f"q4_e{sw}{kind}{cols // 8}_d{d}".encode()], (n // cols, t * top_k, 1),
-                32 * split, split * cols * 4, (src, ids, w, s.view(torch.int32), dst),
+                32 * split, smem, (src, ids, w, s.view(torch.int32), dst),
                 (n, k, src.stride(0), dst.stride(0), split, top_k, int(EXPERT_EARLY)))
 
 

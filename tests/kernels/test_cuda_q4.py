@@ -307,7 +307,8 @@ def test_the_direct_experts_in_the_cta_form_give_the_split_programs_bits(monkeyp
     """cuda_q4.experts_direct (triton_moe.CUDA_MAX_TOKENS): inter (SiLU·up in fp16, through
     Triton's own PTX for it) and y equal to the direct split programs' at 1-8 tokens, at
     several columns a warp and ring depths, split counts 4-8, with down's ids read before
-    its PDL wait (EXPERT_EARLY), and with the MMA's operands swapped (SWAP_REGS)."""
+    its PDL wait (EXPERT_EARLY), with the MMA's operands swapped (SWAP_REGS), and with
+    gate_up's splits streamed whole (EXPERT_STREAM, where they are groups of 16 blocks)."""
     from bench.kernel_bench import rand_q4
     from kernels import moe_layout, triton_moe
 
@@ -324,10 +325,13 @@ def test_the_direct_experts_in_the_cta_form_give_the_split_programs_bits(monkeyp
         triton_moe.experts_forward(x, ids, st, want_i, want_y)
         assert not want_y.isnan().any()
         monkeypatch.setattr(triton_moe, "CUDA_MAX_TOKENS", 8)
-        for cols, depth, early, sw in ((16, 4, False, False), (8, 8, False, False),
-                                       (32, 4, False, False), (16, 2, False, False),
-                                       (16, 4, True, False), (16, 4, True, True),
-                                       (16, 8, False, True), (32, 4, True, True)):
+        for cols, depth, early, sw, stream in (
+                (16, 4, False, False, False), (8, 8, False, False, False),
+                (32, 4, False, False, False), (16, 2, False, False, False),
+                (16, 4, True, False, False), (16, 4, True, True, False),
+                (16, 8, False, True, False), (32, 4, True, True, False),
+                (16, 4, True, True, True), (32, 4, False, False, True)):
+            monkeypatch.setattr(cuda_q4, "EXPERT_STREAM", stream)  # gate_up streamed where whole
             monkeypatch.setattr(cuda_q4, "SWAP_REGS", sw)
             monkeypatch.setattr(cuda_q4, "EXPERT_COLS", cols)
             monkeypatch.setattr(cuda_q4, "EXPERT_DEPTH", depth)
