@@ -1048,7 +1048,7 @@ EXPERT_STREAM = False
 # register ring's first D blocks: every weight byte of the kernel in flight while its
 # predecessor ends. The same arithmetic in the same order, so the same bits. A one-row probe
 # of the idea (bench/preload_probe.py, H100) ran a phase in 4.53 µs against the CTA form's
-# 5.13 (GPU_NOTES v32). Off until measured in the engine (bench/ab_modes.py `ctastream`)
+# 5.13 (GPU_NOTES v32). Off until measured in the engine (bench/ab_modes.py `cstream`)
 CTA_STREAM = False
 _BIG_SMEM: set = set()  # kernels given more than 48 KB of dynamic shared memory
 _TICKETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Q4Linear → {key: tickets}
@@ -1216,10 +1216,11 @@ def cta_streams(lin: Q4Linear, rows: int, cols: int) -> bool:
             and blocks % 16 == 0 and _stream_smem(s, blocks, cols) <= 227 * 1024)
 
 
-def _stream_smem(splits: int, blocks: int, cols: int) -> int:
-    """Dynamic shared memory of the streamed CTA form: the split partials (16 rows), then each
-    warp's blocks (16 bytes of nibbles and a 4-byte scale pair a column)."""
-    return splits * 16 * cols * 4 + splits * blocks * cols * 20
+def _stream_smem(splits: int, blocks: int, cols: int, rows: int = 16) -> int:
+    """Dynamic shared memory of a streamed CTA form: the split partials (`rows` rows: 16 for
+    the linear, 1 for the one-token experts), then each warp's blocks (16 bytes of nibbles
+    and a 4-byte scale pair a column)."""
+    return splits * rows * cols * 4 + splits * blocks * cols * 20
 
 
 def _cta_linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
@@ -1324,7 +1325,7 @@ def experts_direct(x: torch.Tensor, ids: torch.Tensor, experts, inter: torch.Ten
         sw = "s" if SWAP_REGS and cols > 8 else ""
         smem = split * cols * 4
         if stream and kind == "gu" and k % (64 * split) == 0 and blocks % 16 == 0:
-            d, smem = STREAM, smem + split * blocks * cols * 20
+            d, smem = STREAM, _stream_smem(split, blocks, cols, rows=1)
         _launch(cuda, fns[f"q4_e{sw}{kind}{cols // 8}_d{d}".encode()], (n // cols, t * top_k, 1),
                 32 * split, smem, (src, ids, w, s.view(torch.int32), dst),
                 (n, k, src.stride(0), dst.stride(0), split, top_k, int(EXPERT_EARLY)))
