@@ -3,8 +3,9 @@
 # goes; every step has its own timeout so a hang costs that step only. It re-checks the kernel
 # bits on whatever machine comes, takes the defaults' baseline at contexts 128 / 2,048 x 1 / 64,
 # runs the ab modes of MODES beside them (v32: `cstream` / `estream`, the CTA form's splits
-# streamed whole before the wait / the one-token gate_up's streamed whole, and v30's defaults, `noeven_nointer32`, for the H200's reading of the q4 K
-# loops unmasked and the fp32 intermediate, measured on the H100 only), the engine's bitwise
+# streamed whole before the wait / the one-token gate_up's streamed whole, and v30's
+# defaults, `noeven_nointer32`, for the H200's reading of the q4 K loops unmasked and the fp32
+# intermediate, measured on the H100 only), the engine's bitwise
 # sets under BITWISE_MODES and under one that beats them at 128 x 1 (the judge before a mode
 # may become a default), then the paged attention's phases timed
 # in-kernel, the q4 linear's row tiles at 16 / 64 rows, the ablations of v22 at context 128 x

@@ -1231,31 +1231,27 @@ def _cta_linear(lin: Q4Linear, x: torch.Tensor, out: torch.Tensor,
     wait, where `cta_streams` (else the ring's default depth)."""
     n, big_n, k = x.shape[0], lin.out_features, lin.in_features
     _check(x, out, residual)
-    if depth == STREAM:
-        if cta_streams(lin, n, cols) and big_n % cols == 0 and LINEAR_TILE.bk == 64:
-            cuda, fns = _functions(x.device.index or 0)
-            sw = "s" if SWAP_REGS and cols > 8 else ""
-            res, sm = residual if residual is not None else out, lin.sm.view(torch.int32)
-            _launch(cuda, fns[f"q4_cta{sw}8_{cols // 8}_d0".encode()], (big_n // cols, 1, 1),
-                    32 * lin.split, _stream_smem(lin.split, k // 32 // lin.split, cols),
-                    (x, lin.qs, sm, res, out, out, sm),
-                    (n, big_n, k, x.stride(0), res.stride(0), out.stride(0), lin.split,
-                     int(residual is not None)))
-            return out
+    stream = depth == STREAM and cta_streams(lin, n, cols) and big_n % cols == 0 \
+        and LINEAR_TILE.bk == 64
+    if depth == STREAM and not stream:
         depth, chosen = DEPTH, False
-    if cols not in (8, 16, 32) or big_n % cols or k % 64 or LINEAR_TILE.bk != 64 \
-            or depth not in (2, 4, 8) or cols * depth > 128 or not cta_takes(lin, cols):
+    if not stream and (cols not in (8, 16, 32) or big_n % cols or k % 64 or LINEAR_TILE.bk != 64
+                       or depth not in (2, 4, 8) or cols * depth > 128 or not cta_takes(lin, cols)):
         raise ValueError("cuda_q4: the CTA form needs cols 8, 16 or 32 dividing N, K a multiple "
                          f"of 64, depth 2, 4 or 8 (cols x depth ≤ 128), ≤ {CTA_MAX_SPLIT} splits "
                          "(above 8: 8 or 16 cols)")
     cuda, fns = _functions(x.device.index or 0)
     sm = lin.sm.view(torch.int32)
     rows = 16 if n > 8 else 8
-    wide, depth = _cta_plan(lin, rows, cols, depth, chosen)
     res = residual if residual is not None else out
     sw = "s" if SWAP_REGS and rows == 8 and cols > 8 else ""  # (wide: 16 columns, depth 2)
-    fn = fns[f"q4_cta{'w' if wide else ''}{sw}{rows}_{cols // 8}_d{depth}".encode()]
-    _launch(cuda, fn, (big_n // cols, 1, -(-n // 16)), 32 * lin.split, lin.split * 16 * cols * 4,
+    if stream:  # (8 rows)
+        name, smem = f"q4_cta{sw}8_{cols // 8}_d0", _stream_smem(lin.split, k // 32 // lin.split, cols)
+    else:
+        wide, depth = _cta_plan(lin, rows, cols, depth, chosen)
+        name = f"q4_cta{'w' if wide else ''}{sw}{rows}_{cols // 8}_d{depth}"
+        smem = lin.split * 16 * cols * 4
+    _launch(cuda, fns[name.encode()], (big_n // cols, 1, -(-n // 16)), 32 * lin.split, smem,
             (x, lin.qs, sm, res, out, out, sm),
             (n, big_n, k, x.stride(0), res.stride(0), out.stride(0), lin.split,
              int(residual is not None)))

@@ -115,7 +115,7 @@ PREFETCH_BLOCKS: int | None = 4
 # SASS, Triton 3.6 and 3.9: a 64-key k step 481 → 438 instructions on the one-warp tile, 488
 # → 408 on MID_TILE, 657 → 530 on the 32-row tile, 485 → 428 direct; the copies are
 # IMAD.MOV.U32, 69-185 of them). The default since v32 (H100, with triton_q4.EVEN_STEPS: 64
-# streams +2.1% at context 128, +1.6% at 2,048; the engine's bitwise sets 13/13 under both);
+# streams +2.3% at context 128, +0.7-1.6% at 2,048; the engine's bitwise sets 13/13 under both);
 # False: fp16 everywhere (bench/ab_modes.py `nointer32`)
 INTER_F32 = True
 

@@ -35,7 +35,7 @@ PREFETCH_BLOCKS = tl.constexpr(8)  # 32-blocks of K prefetched before waiting (G
 # same loads, so the same bits. sm_90 SASS (Triton 3.6, a 64-key step of the one-warp tile):
 # the linear 418 → 399 instructions, the seq experts 437 → 409, MID_TILE 408 → 390, the
 # direct experts 426 → 399 (gate_up; GPU_NOTES v30's table). The default since v32 (H100,
-# with INTER_F32: 64 streams +2.1% at context 128, +1.6% at 2,048; one stream unchanged; the
+# with INTER_F32: 64 streams +2.3% at context 128, +0.7-1.6% at 2,048; one stream unchanged; the
 # engine's bitwise sets 13/13 under both); False: masked (bench/ab_modes.py `noeven`)
 EVEN_STEPS = True
 
