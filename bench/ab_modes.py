@@ -65,6 +65,9 @@ def apply(mode: str) -> None:
     if 'estream' in mode:  # cuda_q4's one-token gate_up with each warp's split streamed whole
         from kernels import cuda_q4  # (EXPERT_STREAM; noestream: the ring)
         cuda_q4.EXPERT_STREAM = 'noestream' not in mode
+    if 'dstream' in mode:  # cuda_q4's one-token down with each warp's split streamed whole,
+        from kernels import cuda_q4  # its copies before the wait (DOWN_STREAM; nodstream: the ring)
+        cuda_q4.DOWN_STREAM = 'nodstream' not in mode
     if 'cstream' in mode:  # cuda_q4's CTA form at <= 8 rows with each warp's split streamed
         from kernels import cuda_q4  # whole before the wait (CTA_STREAM; nocstream: the ring)
         cuda_q4.CTA_STREAM = 'nocstream' not in mode

@@ -47,7 +47,7 @@ if [ -n "${T144-}" ]; then
     TAG=_t144 bash bench/gpu_ab.sh 2>&1 | grep -v "^KV pool\|^NVIDIA\|^torch"
 fi
 
-MODES=${MODES-pdl_cstream pdl_estream pdl_cstream_estream pdl_noeven_nointer32 pdl}
+MODES=${MODES-pdl_cstream pdl_estream pdl_dstream pdl_cstream_estream_dstream pdl_noeven_nointer32 pdl}
 BITWISE_MODES=${BITWISE_MODES-}
 [ -n "$MODES" ] && KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=${TAIL:-7} T_ENGINE=${T_ENGINE:-150} \
   ENGINE_MODES="$MODES" CONTEXT=${BASE_CONTEXT:-128,2048} STREAMS=${BASE_STREAMS:-1,64} TAG=_base \

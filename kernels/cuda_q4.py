@@ -312,28 +312,31 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 }
 
 // acc += the same split, its weights streamed whole into shared memory first: the warp issues
-// cp.async for all its blocks at once (4 commit groups of nb / 4 blocks), so every byte of the
-// split is in flight together, then computes each group as it lands (x through a 4-slot
-// register ring). Shared memory: nb x 8 NT x 20 bytes a warp from byte `off`. nb % 16 == 0.
-// EARLY: the copies issued before the PDL wait (they are weights: no kernel writes them), x
-// after it (the CTA form; the split programs wait first). SW: block_mma_sw (P 0 only).
-template <bool ROWS16, int NT, int P = 0, bool SW = false, bool EARLY = false>
+// cp.async for all its blocks at once (GR commit groups of nb / GR blocks: GR = 4, or 3, 2, 1
+// where nb / 4 is not a multiple of 4), so every byte of the split is in flight together,
+// then computes each group as it lands (x, fp32 or the MoE's fp16 intermediate, through a
+// 4-slot register ring). Shared memory: nb x 8 NT x 20 bytes a warp from byte `off`.
+// nb % 4 == 0. EARLY: the copies issued before the PDL wait (they are weights: no kernel
+// writes them), x after it (the CTA form; the split programs wait first). SW: block_mma_sw
+// (P 0 only).
+template <bool ROWS16, int NT, int P = 0, bool SW = false, bool EARLY = false, typename XT = float>
 __device__ __forceinline__ void stream_acc(float acc[NT][4], const unsigned char* __restrict__ qs,
-                                           const unsigned* __restrict__ sm, const float* x0,
-                                           const float* x1, bool v0, bool v1, int N, int k_lo,
+                                           const unsigned* __restrict__ sm, const XT* x0,
+                                           const XT* x1, bool v0, bool v1, int N, int k_lo,
                                            int k_hi, int n0, int g, int c, int word, unsigned sel,
                                            int off = 0) {
   static_assert(!(SW && P), "the probes take x as A");
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int QB = NT * 8 * 16, SB = NT * 8 * 4, CH = (QB + SB) / 16;  // bytes, 16 B chunks a block
   const int lane = threadIdx.x & 31;
-  const int nb = (k_hi - k_lo) >> 5, per_group = nb >> 2;
+  const int nb = (k_hi - k_lo) >> 5, quads = nb >> 2;
+  const int gr = quads % 4 == 0 ? 4 : quads % 3 == 0 ? 3 : quads % 2 == 0 ? 2 : 1;
+  const int per_group = nb / gr;
   unsigned char* sq = smem + off + (threadIdx.x >> 5) * nb * (QB + SB);  // this warp's part
   unsigned char* ss = sq + nb * QB;
   const unsigned char* gq = qs + ((long)(k_lo >> 5) * N + n0) * 16;
   const unsigned char* gs = reinterpret_cast<const unsigned char*>(sm + (long)(k_lo >> 5) * N + n0);
-#pragma unroll
-  for (int grp = 0; grp < 4; ++grp) {
+  for (int grp = 0; grp < gr; ++grp) {
     for (int i = lane; i < per_group * CH; i += 32) {
       const int b = grp * per_group + i / CH, ch = i % CH;
       if (ch < QB / 16)
@@ -346,16 +349,16 @@ __device__ __forceinline__ void stream_acc(float acc[NT][4], const unsigned char
   if constexpr (EARLY) pdl_wait();
   float2 xp[4][ROWS16 ? 8 : 4];
   float acc2[NT][4] = {};
-  const float* xa = x0 + k_lo;
-  const float* xb = x1 + k_lo;
+  const XT* xa = x0 + k_lo;
+  const XT* xb = x1 + k_lo;
 #pragma unroll
   for (int j = 0; j < 4; ++j) load_x<ROWS16>(xa, xb, v0, v1, 32 * j, c, xp[j]);
-#pragma unroll
-  for (int grp = 0; grp < 4; ++grp) {
-    if (grp == 0) asm volatile("cp.async.wait_group 3;" ::: "memory");
-    if (grp == 1) asm volatile("cp.async.wait_group 2;" ::: "memory");
-    if (grp == 2) asm volatile("cp.async.wait_group 1;" ::: "memory");
-    if (grp == 3) asm volatile("cp.async.wait_group 0;" ::: "memory");
+  for (int grp = 0; grp < gr; ++grp) {
+    const int pending = gr - 1 - grp;  // groups after this one that may still be in flight
+    if (pending == 3) asm volatile("cp.async.wait_group 3;" ::: "memory");
+    else if (pending == 2) asm volatile("cp.async.wait_group 2;" ::: "memory");
+    else if (pending == 1) asm volatile("cp.async.wait_group 1;" ::: "memory");
+    else asm volatile("cp.async.wait_group 0;" ::: "memory");
     __syncwarp();
     for (int b0 = grp * per_group; b0 < (grp + 1) * per_group; b0 += 4) {
 #pragma unroll
@@ -765,9 +768,12 @@ __device__ __forceinline__ void q4_expert_cta(const void* __restrict__ xv, const
     else
       ring_acc<false, NT, D, SW>(acc, qe, se, x0, x0, v0, false, N, k_lo, k_hi, n0, g, c, word, sel);
   } else {
-    static_assert(D > 0, "down streams no split");
     const __half* x0 = reinterpret_cast<const __half*>(xv) + (long)a * stride_x;
-    ring_acc<false, NT, D, SW>(acc, qe, se, x0, x0, v0, false, N, k_lo, k_hi, n0, g, c, word, sel);
+    if constexpr (D == 0)  // (DOWN_STREAM: the split streamed whole, its copies before the wait)
+      stream_acc<false, NT, 0, SW, true>(acc, qe, se, x0, x0, v0, false, N, k_lo, k_hi, n0, g,
+                                         c, word, sel, S * C * 4);
+    else
+      ring_acc<false, NT, D, SW>(acc, qe, se, x0, x0, v0, false, N, k_lo, k_hi, n0, g, c, word, sel);
   }
   if constexpr (SW) {  // (swapped registers: row 0 of columns 8i + g and 8i + 8 + g)
     if (c == 0) {
@@ -874,6 +880,9 @@ Q4_CTA(8, 1, 0) Q4_CTA(8, 2, 0) Q4_CTA(8, 4, 0) Q4_CTAS(2, 0) Q4_CTAS(4, 0)
 // the one-token gate_up with each warp's split streamed whole (EXPERT_STREAM)
 Q4_EXPERT(gu, true, 1, 0) Q4_EXPERT(gu, true, 2, 0) Q4_EXPERT(gu, true, 4, 0) Q4_EXPERT_SW(gu, true, 2, 0)
 Q4_EXPERT_SW(gu, true, 4, 0)
+// ... and the one-token down the same way, its copies before the wait (DOWN_STREAM)
+Q4_EXPERT(dn, false, 1, 0) Q4_EXPERT(dn, false, 2, 0) Q4_EXPERT(dn, false, 4, 0) Q4_EXPERT_SW(dn, false, 2, 0)
+Q4_EXPERT_SW(dn, false, 4, 0)
 // probes (bench only, wrong values): P 1 the streamed loads alone (no MMAs, no merge), P 2 without the
 // split merge (every split writes y), P 3 two accumulator chains (even / odd blocks)
 extern "C" __global__ void q4_probe1(Q4_ARGS) { q4_split<false, 2, 0, 1>(Q4_PASS); }
@@ -998,8 +1007,8 @@ EXTRA_ENTRIES = tuple(f"q4_split{rows}_{cols // 8}_d{d}".encode()
 EXTRA_ENTRIES += tuple(f"q4_swap{mt}_{ng}_w{w}".encode() for mt, ng, w in SWAP_FORMS) + PROBES
 EXTRA_ENTRIES += tuple(e for e in _cta_entries(False) if e not in ENTRIES)
 EXTRA_ENTRIES += tuple(f"q4_{kind}{sw}8_{c // 8}_d0".encode() if kind == "cta"
-                       else f"q4_e{sw}gu{c // 8}_d0".encode()
-                       for kind in ("cta", "gu") for c in (8, 16, 32)
+                       else f"q4_e{sw}{kind}{c // 8}_d0".encode()
+                       for kind in ("cta", "gu", "dn") for c in (8, 16, 32)
                        for sw in ("", "s") if not (sw and c == 8))
 STREAM = 0  # the depth that names the other form: the warp's split streamed into shared memory
 COLS = 16  # columns a warp by default (the fastest at 1-8 rows of qkv, GPU_NOTES v15)
@@ -1043,6 +1052,12 @@ SWAP_REGS = True
 # not whole groups of 16 blocks at the 30B shape). The same MMAs in the same order, so the
 # same bits. Off until measured (bench/ab_modes.py `estream`)
 EXPERT_STREAM = False
+# the one-token down (q4_e{s}dn{NT}_d0) the same way, its copies issued before the PDL wait
+# (down reads its expert ids there, EXPERT_EARLY): all of its split's weights in flight under
+# gate_up's tail instead of its ring's first EXPERT_DEPTH blocks (the 30B: 2 splits of 12
+# blocks, 3 commit groups). The same MMAs in the same order, so the same bits. Off until
+# measured (bench/ab_modes.py `dstream`)
+DOWN_STREAM = False
 # the CTA form at <= 8 rows with each warp's whole split streamed into shared memory, its
 # copies issued before the PDL wait (q4_cta{s}8_{NT}_d0, where `cta_streams`), instead of the
 # register ring's first D blocks: every weight byte of the kernel in flight while its
@@ -1294,12 +1309,13 @@ def experts_direct(x: torch.Tensor, ids: torch.Tensor, experts, inter: torch.Ten
     inter [T*k, I] fp16 = silu(x W_gate.T) * (x W_up.T), then y [T*k, hidden] = inter W_down.T,
     each (assignment, column tile) a CTA of the weight's K splits, merged in split order —
     the direct split programs' bits. x [T, hidden] fp32; ids [T, k] int32 contiguous.
-    depth STREAM (the default where EXPERT_STREAM): gate_up's splits streamed whole into
-    shared memory where they are whole groups of 16 blocks, down on EXPERT_DEPTH's ring."""
-    if depth is None and EXPERT_STREAM:
-        depth = STREAM
-    cols, stream = cols or EXPERT_COLS, depth == STREAM
-    depth = EXPERT_DEPTH if stream else depth or EXPERT_DEPTH
+    depth STREAM: each kernel's splits streamed whole into shared memory where they are whole
+    groups of 4 blocks and split K evenly; by default gate_up's where EXPERT_STREAM, down's
+    where DOWN_STREAM, the others on EXPERT_DEPTH's ring."""
+    cols = cols or EXPERT_COLS
+    streams = {"gu": depth == STREAM or (depth is None and EXPERT_STREAM),
+               "dn": depth == STREAM or (depth is None and DOWN_STREAM)}
+    depth = EXPERT_DEPTH if depth == STREAM else depth or EXPERT_DEPTH
     if cols not in (8, 16, 32) or depth not in (2, 4, 8) or cols * depth > 128:
         raise ValueError("cuda_q4: expert cols 8, 16 or 32 and depth 2, 4 or 8 (cols x depth ≤ 128), "
                          "or STREAM")
@@ -1320,7 +1336,8 @@ def experts_direct(x: torch.Tensor, ids: torch.Tensor, experts, inter: torch.Ten
             d //= 2
         sw = "s" if SWAP_REGS and cols > 8 else ""
         smem = split * cols * 4
-        if stream and kind == "gu" and k % (64 * split) == 0 and blocks % 16 == 0:
+        if streams[kind] and k % (64 * split) == 0 and blocks % 4 == 0 \
+                and _stream_smem(split, blocks, cols, rows=1) <= 227 * 1024:
             d, smem = STREAM, _stream_smem(split, blocks, cols, rows=1)
         _launch(cuda, fns[f"q4_e{sw}{kind}{cols // 8}_d{d}".encode()], (n // cols, t * top_k, 1),
                 32 * split, smem, (src, ids, w, s.view(torch.int32), dst),

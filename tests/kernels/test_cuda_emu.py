@@ -192,44 +192,55 @@ def test_the_streamed_cta_form_gives_the_ring_cta_forms_bits_on_the_emulator(emu
     assert names == ["q4_ctas8_2_d0", "q4_ctas8_2_d4"], names
 
 
-def test_the_streamed_one_token_gate_up_gives_the_rings_bits_on_the_emulator(emu, monkeypatch):
-    """cuda_q4.EXPERT_STREAM (q4_e{s}gu{NT}_d0: gate_up's splits copied whole into shared
-    memory behind the partials): the ring's intermediate and down rows bit for bit at 1-2
+def test_the_streamed_one_token_experts_give_the_rings_bits_on_the_emulator(emu, monkeypatch):
+    """cuda_q4.EXPERT_STREAM / DOWN_STREAM (q4_e{s}{gu,dn}{NT}_d0: a kernel's splits copied
+    whole into shared memory behind the partials; down's before the wait, in 3 commit groups
+    where a split is 12 blocks): the ring's intermediate and down rows bit for bit at 1-2
     tokens of top-2 over 4 experts, 16 / 32 columns a warp, x as A and swapped, every one
-    written; down keeps its ring."""
+    written, each knob streaming its own kernel only."""
     from kernels import moe_layout
     from kernels.linear import quantize_q4
     g = torch.Generator().manual_seed(5)
-    e, h, i, topk = 4, 1024, 128, 2
+    e, h, i, topk = 4, 512, 768, 2
     experts = tuple((quantize_q4(torch.randn(2 * i, h, generator=g)),
                      quantize_q4(torch.randn(h, i, generator=g))) for _ in range(e))
     names, real = [], cuda_q4._launch
     with cuda_emu.emulated(emu):
         emu_launch = cuda_q4._launch
         cuda_q4._launch = lambda cuda, fn, *a: (names.append(fn), emu_launch(cuda, fn, *a))
-        for programs, t, cols, sw in ((8, 1, 16, True), (4, 2, 32, False)):  # 2 / 1 splits
+        # blocks a split, gate_up / down (commit groups): 16 (4) / 12 (3); 16 (4) / 8 (2); 8 (2) / 4 (1)
+        for programs, t, cols, sw, blocks in ((16, 1, 16, True, (16, 12)), (24, 1, 32, False, (16, 8)),
+                                              (48, 2, 16, True, (8, 4))):
             monkeypatch.setattr(cuda_q4, "SWAP_REGS", sw)
             st = moe_layout.StackedExperts.stack(experts, programs=programs)
-            assert (h // 32 // st.gu_split) % 16 == 0, st.gu_split
+            assert (h // 32 // st.gu_split, i // 32 // st.down_split) == blocks, (st.gu_split, st.down_split)
             x = torch.randn(t, h, generator=g)
             ids = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(t)]).int().contiguous()
             got = {}
-            for stream in (False, True):
-                monkeypatch.setattr(cuda_q4, "EXPERT_STREAM", stream)
+            for knobs in ((False, False), (True, False), (False, True), (True, True)):
+                monkeypatch.setattr(cuda_q4, "EXPERT_STREAM", knobs[0])
+                monkeypatch.setattr(cuda_q4, "DOWN_STREAM", knobs[1])
+                names.clear()
                 inter = torch.full((t * topk, i), float("nan")).half()
                 y = torch.full((t * topk, h), float("nan"))
                 cuda_q4.experts_direct(x, ids, st, inter, y, cols=cols)
-                got[stream] = inter, y
-            assert not got[True][0].isnan().any() and not got[True][1].isnan().any()
-            assert torch.equal(got[True][0], got[False][0]), (programs, t, cols, sw)
-            assert torch.equal(got[True][1], got[False][1]), (programs, t, cols, sw)
-        assert {"q4_esgu2_d0", "q4_egu4_d0"} <= set(names), sorted(set(names))
-        assert not any(n.startswith(("q4_edn", "q4_esdn")) and n.endswith("_d0") for n in names)
-        names.clear()  # gate_up in 4 splits of 8 blocks: the ring
-        st = moe_layout.StackedExperts.stack(experts, programs=16)
-        cuda_q4.experts_direct(x[:1], ids[:1], st, torch.empty(topk, i).half(), torch.empty(topk, h))
+                assert [n.endswith("_d0") for n in names] == list(knobs), (knobs, names)
+                got[knobs] = inter, y
+                assert not inter.isnan().any() and not y.isnan().any(), knobs
+            for knobs, (inter, y) in got.items():
+                assert torch.equal(inter, got[False, False][0]), (programs, t, cols, sw, knobs)
+                assert torch.equal(y, got[False, False][1]), (programs, t, cols, sw, knobs)
+        names.clear()  # depth STREAM streams both whatever the knobs
+        monkeypatch.setattr(cuda_q4, "EXPERT_STREAM", False)
+        monkeypatch.setattr(cuda_q4, "DOWN_STREAM", False)
+        cuda_q4.experts_direct(x[:1], ids[:1], st, torch.empty(topk, i).half(), torch.empty(topk, h),
+                               depth=cuda_q4.STREAM)
+        stacked = moe_layout.StackedExperts.stack(experts, programs=32)  # down: 4 splits of 6 blocks
+        assert i // 32 // stacked.down_split == 6  # (not whole groups of 4: its ring)
+        cuda_q4.experts_direct(x[:1], ids[:1], stacked, torch.empty(topk, i).half(), torch.empty(topk, h),
+                               depth=cuda_q4.STREAM)
     assert cuda_q4._launch is real
-    assert names == ["q4_egu2_d4", "q4_edn2_d4"], names
+    assert names == ["q4_esgu2_d0", "q4_esdn2_d0", "q4_esgu2_d0", "q4_esdn2_d2"], names
 
 
 # a thread block cluster's primitives as the emulator rewrites them: the CTA's rank, the

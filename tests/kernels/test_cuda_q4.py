@@ -308,7 +308,8 @@ def test_the_direct_experts_in_the_cta_form_give_the_split_programs_bits(monkeyp
     Triton's own PTX for it) and y equal to the direct split programs' at 1-8 tokens, at
     several columns a warp and ring depths, split counts 4-8, with down's ids read before
     its PDL wait (EXPERT_EARLY), with the MMA's operands swapped (SWAP_REGS), and with
-    gate_up's splits streamed whole (EXPERT_STREAM, where they are groups of 16 blocks)."""
+    gate_up's and / or down's splits streamed whole (EXPERT_STREAM / DOWN_STREAM, where they
+    are groups of 4 blocks; down's copies before its wait)."""
     from bench.kernel_bench import rand_q4
     from kernels import moe_layout, triton_moe
 
@@ -330,8 +331,10 @@ def test_the_direct_experts_in_the_cta_form_give_the_split_programs_bits(monkeyp
                 (32, 4, False, False, False), (16, 2, False, False, False),
                 (16, 4, True, False, False), (16, 4, True, True, False),
                 (16, 8, False, True, False), (32, 4, True, True, False),
-                (16, 4, True, True, True), (32, 4, False, False, True)):
-            monkeypatch.setattr(cuda_q4, "EXPERT_STREAM", stream)  # gate_up streamed where whole
+                (16, 4, True, True, "gu dn"), (32, 4, False, False, "gu"),
+                (16, 4, True, True, "dn"), (16, 2, False, False, "dn")):
+            monkeypatch.setattr(cuda_q4, "EXPERT_STREAM", "gu" in (stream or ""))  # streamed where whole
+            monkeypatch.setattr(cuda_q4, "DOWN_STREAM", "dn" in (stream or ""))
             monkeypatch.setattr(cuda_q4, "SWAP_REGS", sw)
             monkeypatch.setattr(cuda_q4, "EXPERT_COLS", cols)
             monkeypatch.setattr(cuda_q4, "EXPERT_DEPTH", depth)
