@@ -27,10 +27,11 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 stamp "bits: cuda_q4 (CTA form, PDL chain in a graph, direct experts), the MoE, paged attention"
 # (cuda_q4's own set when Q4_TESTS=1: its core PTX has not changed since v22's calls, 30 passed)
 [ -n "${Q4_TESTS-}" ] && timeout 200 python -m pytest -q -n 0 tests/kernels/test_cuda_q4.py 2>&1 | tail -4
-# (v32: the streamed CTA form and one-token gate_up, CTA_STREAM and EXPERT_STREAM, new: their
-# bits against the split programs')
+# (v32-v33: the streamed CTA form, one-token gate_up and down, CTA_STREAM, EXPERT_STREAM and
+# DOWN_STREAM, and the fused one-token experts, FUSED_EXPERTS, new: their bits against the
+# split programs')
 [ -z "${Q4_TESTS-}" ] && timeout 240 python -m pytest -q -n 0 tests/kernels/test_cuda_q4.py \
-  -k "cta_form or direct_experts" 2>&1 | tail -2
+  -k "cta_form or direct_experts or fused" 2>&1 | tail -2
 timeout 150 python -m pytest -q -n 0 tests/kernels/test_gpu.py \
   -k "moe_at_real or paged_attention_at_real or norms_rope or fp32_intermediate" 2>&1 | tail -3
 
@@ -47,7 +48,7 @@ if [ -n "${T144-}" ]; then
     TAG=_t144 bash bench/gpu_ab.sh 2>&1 | grep -v "^KV pool\|^NVIDIA\|^torch"
 fi
 
-MODES=${MODES-pdl_cstream pdl_estream pdl_dstream pdl_cstream_estream_dstream pdl_noeven_nointer32 pdl}
+MODES=${MODES-pdl_cstream pdl_efused pdl_estream pdl_dstream pdl_cstream_estream_dstream pdl_cstream_efused pdl_noeven_nointer32 pdl}
 BITWISE_MODES=${BITWISE_MODES-}
 [ -n "$MODES" ] && KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=${TAIL:-7} T_ENGINE=${T_ENGINE:-150} \
   ENGINE_MODES="$MODES" CONTEXT=${BASE_CONTEXT:-128,2048} STREAMS=${BASE_STREAMS:-1,64} TAG=_base \

@@ -311,28 +311,25 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d), "l"(src) : "memory");
 }
 
-// acc += the same split, its weights streamed whole into shared memory first: the warp issues
-// cp.async for all its blocks at once (GR commit groups of nb / GR blocks: GR = 4, or 3, 2, 1
-// where nb / 4 is not a multiple of 4), so every byte of the split is in flight together,
-// then computes each group as it lands (x, fp32 or the MoE's fp16 intermediate, through a
-// 4-slot register ring). Shared memory: nb x 8 NT x 20 bytes a warp from byte `off`.
-// nb % 4 == 0. EARLY: the copies issued before the PDL wait (they are weights: no kernel
-// writes them), x after it (the CTA form; the split programs wait first). SW: block_mma_sw
-// (P 0 only).
-template <bool ROWS16, int NT, int P = 0, bool SW = false, bool EARLY = false, typename XT = float>
-__device__ __forceinline__ void stream_acc(float acc[NT][4], const unsigned char* __restrict__ qs,
-                                           const unsigned* __restrict__ sm, const XT* x0,
-                                           const XT* x1, bool v0, bool v1, int N, int k_lo,
-                                           int k_hi, int n0, int g, int c, int word, unsigned sel,
-                                           int off = 0) {
-  static_assert(!(SW && P), "the probes take x as A");
-  extern __shared__ __align__(16) unsigned char smem[];
+// A split streamed whole into shared memory: stream_issue has the warp issue cp.async for all
+// of the split's blocks at once (GR commit groups of nb / GR blocks: GR = 4, or 3, 2, 1 where
+// nb / 4 is not a multiple of 4) into sq (nb x 8 NT x 20 bytes: the nibbles, then the scale
+// pairs), so every byte of it is in flight together; stream_compute then computes each group
+// as it lands, x (fp32, the MoE's fp16 intermediate, or that in shared memory: SHalf) through
+// a 4-slot register ring — ring_acc's MMAs in ring_acc's order, so its bits. nb % 4 == 0.
+// `later`: the commit groups this warp issued after this split's (they may stay in flight).
+__device__ __forceinline__ int stream_groups(int nb) {
+  const int quads = nb >> 2;
+  return quads % 4 == 0 ? 4 : quads % 3 == 0 ? 3 : quads % 2 == 0 ? 2 : 1;
+}
+
+template <int NT>
+__device__ __forceinline__ void stream_issue(unsigned char* sq, const unsigned char* __restrict__ qs,
+                                             const unsigned* __restrict__ sm, int N, int k_lo,
+                                             int k_hi, int n0) {
   constexpr int QB = NT * 8 * 16, SB = NT * 8 * 4, CH = (QB + SB) / 16;  // bytes, 16 B chunks a block
   const int lane = threadIdx.x & 31;
-  const int nb = (k_hi - k_lo) >> 5, quads = nb >> 2;
-  const int gr = quads % 4 == 0 ? 4 : quads % 3 == 0 ? 3 : quads % 2 == 0 ? 2 : 1;
-  const int per_group = nb / gr;
-  unsigned char* sq = smem + off + (threadIdx.x >> 5) * nb * (QB + SB);  // this warp's part
+  const int nb = (k_hi - k_lo) >> 5, gr = stream_groups(nb), per_group = nb / gr;
   unsigned char* ss = sq + nb * QB;
   const unsigned char* gq = qs + ((long)(k_lo >> 5) * N + n0) * 16;
   const unsigned char* gs = reinterpret_cast<const unsigned char*>(sm + (long)(k_lo >> 5) * N + n0);
@@ -346,7 +343,43 @@ __device__ __forceinline__ void stream_acc(float acc[NT][4], const unsigned char
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
   }
-  if constexpr (EARLY) pdl_wait();
+}
+
+// cp.async.wait_group takes its count as an immediate
+__device__ __forceinline__ void wait_groups(int pending) {
+  switch (pending) {
+    case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+    case 3: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
+    case 4: asm volatile("cp.async.wait_group 4;" ::: "memory"); break;
+    case 5: asm volatile("cp.async.wait_group 5;" ::: "memory"); break;
+    case 6: asm volatile("cp.async.wait_group 6;" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_group 7;" ::: "memory"); break;
+  }
+}
+
+struct SHalf { unsigned short bits; };  // an fp16 value in shared memory (load_x: no __ldg)
+
+template <bool ROWS16>
+__device__ __forceinline__ void load_x(const SHalf* x0, const SHalf* x1, bool v0, bool v1,
+                                       int kb, int c, float2 p[ROWS16 ? 8 : 4]) {
+  static_assert(!ROWS16, "one row");
+#pragma unroll
+  for (int h = 0; h < 4; ++h)
+    p[h] = v0 ? __half22float2(*reinterpret_cast<const __half2*>(x0 + kb + 2 * c + 8 * h))
+              : make_float2(0.f, 0.f);
+}
+
+template <bool ROWS16, int NT, int P = 0, bool SW = false, typename XT = float>
+__device__ __forceinline__ void stream_compute(float acc[NT][4], const unsigned char* sq,
+                                               const XT* x0, const XT* x1, bool v0, bool v1,
+                                               int k_lo, int k_hi, int g, int c, int word,
+                                               unsigned sel, int later = 0) {
+  static_assert(!(SW && P), "the probes take x as A");
+  constexpr int QB = NT * 8 * 16, SB = NT * 8 * 4;
+  const int nb = (k_hi - k_lo) >> 5, gr = stream_groups(nb), per_group = nb / gr;
+  const unsigned char* ss = sq + nb * QB;
   float2 xp[4][ROWS16 ? 8 : 4];
   float acc2[NT][4] = {};
   const XT* xa = x0 + k_lo;
@@ -354,11 +387,7 @@ __device__ __forceinline__ void stream_acc(float acc[NT][4], const unsigned char
 #pragma unroll
   for (int j = 0; j < 4; ++j) load_x<ROWS16>(xa, xb, v0, v1, 32 * j, c, xp[j]);
   for (int grp = 0; grp < gr; ++grp) {
-    const int pending = gr - 1 - grp;  // groups after this one that may still be in flight
-    if (pending == 3) asm volatile("cp.async.wait_group 3;" ::: "memory");
-    else if (pending == 2) asm volatile("cp.async.wait_group 2;" ::: "memory");
-    else if (pending == 1) asm volatile("cp.async.wait_group 1;" ::: "memory");
-    else asm volatile("cp.async.wait_group 0;" ::: "memory");
+    wait_groups(gr - 1 - grp + later);  // this group's blocks have landed
     __syncwarp();
     for (int b0 = grp * per_group; b0 < (grp + 1) * per_group; b0 += 4) {
 #pragma unroll
@@ -386,6 +415,24 @@ __device__ __forceinline__ void stream_acc(float acc[NT][4], const unsigned char
     for (int i = 0; i < NT; ++i)
       for (int e = 0; e < 4; ++e) acc[i][e] += acc2[i][e];
   }
+}
+
+// acc += the same split streamed whole into this warp's part of shared memory from byte `off`
+// (stream_issue, then stream_compute). EARLY: the copies issued before the PDL wait (they are
+// weights: no kernel writes them), x after it (the CTA form; the split programs wait first).
+// SW: block_mma_sw (P 0 only).
+template <bool ROWS16, int NT, int P = 0, bool SW = false, bool EARLY = false, typename XT = float>
+__device__ __forceinline__ void stream_acc(float acc[NT][4], const unsigned char* __restrict__ qs,
+                                           const unsigned* __restrict__ sm, const XT* x0,
+                                           const XT* x1, bool v0, bool v1, int N, int k_lo,
+                                           int k_hi, int n0, int g, int c, int word, unsigned sel,
+                                           int off = 0) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int nb = (k_hi - k_lo) >> 5;
+  unsigned char* sq = smem + off + (threadIdx.x >> 5) * nb * (NT * 8 * 20);  // this warp's part
+  stream_issue<NT>(sq, qs, sm, N, k_lo, k_hi, n0);
+  if constexpr (EARLY) pdl_wait();
+  stream_compute<ROWS16, NT, P, SW>(acc, sq, x0, x1, v0, v1, k_lo, k_hi, g, c, word, sel);
 }
 
 // grid (cdiv(N / (8 NT), warps), S, cdiv(M, 16)); block warps * 32. Warp w: the 8 NT columns
@@ -807,6 +854,145 @@ __device__ __forceinline__ void q4_expert_cta(const void* __restrict__ xv, const
   }
 }
 
+// ---- the one-token experts fused (FUSED_EXPERTS): gate_up and down of an assignment a in
+// one launch, its CTAs one thread block cluster of CS (16 warps each). CTA r takes gate_up's
+// column tiles r TG .. r TG + TG - 1 (TG = 2I / (8 NT CS)) and down's r TD .. (TD = H / (8 NT
+// CS)); warp w gate_up's (tile w / Sg, split w % Sg) and down's (tile w / Sd, split w % Sd),
+// both splits streamed whole into shared memory at the start (once the top-k's ids are read:
+// the predecessor's), so every weight byte of the CTA is in flight at once. gate_up's
+// partials merged in split order give the CTA's TG x 4 NT intermediate values (silu_mul,
+// rounded to fp16: q4_expert_cta's), which it also stores to inter; after the cluster's
+// barrier each CTA gathers the assignment's whole intermediate from the cluster's shared
+// memory (ld.shared::cluster) and runs down on it: q4_expert_cta's arithmetic, streamed or
+// ring (the same MMAs in the same order), so the same bits. grid (CS, T topk); block 512;
+// shared memory: fused_smem (the host's `_fused_smem`).
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ float4 ld_cluster16(const void* p, unsigned rank) {
+  unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p)), r;
+  float4 v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(r) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ int align16(int b) { return (b + 15) & ~15; }
+
+template <int NT, int CS>
+__device__ __forceinline__ void q4_expert_fused(const float* __restrict__ x, const int* __restrict__ ids,
+                                                const unsigned char* __restrict__ gq,
+                                                const unsigned* __restrict__ gs,
+                                                const unsigned char* __restrict__ dq,
+                                                const unsigned* __restrict__ ds,
+                                                __half* __restrict__ inter, float* __restrict__ y,
+                                                int H, int I, int stride_x, int Sg, int Sd, int topk) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  constexpr int C = 8 * NT;
+  const int TG = 2 * I / (C * CS), TD = H / (C * CS), IL = TG * C / 2;  // IL: this CTA's values
+  const int lane = threadIdx.x & 31, c = lane & 3, g = lane >> 2, w = threadIdx.x >> 5;
+  const int a = blockIdx.y, r = static_cast<int>(cluster_rank());
+  const int nbg = H / 32 / Sg, nbd = I / 32 / Sd;  // blocks a split (the host: whole groups of 4)
+  float* part_gu = reinterpret_cast<float*>(smem);   // [TG][Sg][C]
+  float* part_dn = part_gu + TG * Sg * C;             // [TD][Sd][C]
+  SHalf* xin = reinterpret_cast<SHalf*>(part_dn + TD * Sd * C);  // [I]: the whole intermediate
+  __half* mine = reinterpret_cast<__half*>(xin + I);             // [IL]: this CTA's part of it
+  unsigned char* sgu = smem + align16((TG * Sg + TD * Sd) * C * 4 + 2 * I + 2 * IL);
+  unsigned char* sdn = sgu + TG * Sg * nbg * C * 20;
+  const bool gu_task = w < TG * Sg, dn_task = w < TD * Sd;
+  const int gt = w / Sg, gsp = w % Sg, dt = w / Sd, dsp = w % Sd;
+  int glo, ghi, dlo, dhi, word;
+  unsigned sel;
+  split_k(H, Sg, gsp, glo, ghi);
+  split_k(I, Sd, dsp, dlo, dhi);
+  lane_bytes(c, sel, word);
+  pdl_wait();  // ids: the top-k's
+  const long e = ids[a];
+  const int gn0 = (r * TG + gt) * C, dn0 = (r * TD + dt) * C;
+  unsigned char* my_gu = sgu + w * nbg * C * 20;
+  unsigned char* my_dn = sdn + w * nbd * C * 20;
+  if (gu_task)
+    stream_issue<NT>(my_gu, gq + e * (long)(H >> 5) * (2 * I) * 16, gs + e * (long)(H >> 5) * (2 * I),
+                     2 * I, glo, ghi, gn0);
+  if (dn_task)
+    stream_issue<NT>(my_dn, dq + e * (long)(I >> 5) * H * 16, ds + e * (long)(I >> 5) * H, H, dlo,
+                     dhi, dn0);
+  const bool v0 = g == 0;  // one row: the assignment's
+  float acc[NT][4];
+  if (gu_task) {
+#pragma unroll
+    for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    const float* x0 = x + (long)(a / topk) * stride_x;
+    stream_compute<false, NT, 0, true>(acc, my_gu, x0, x0, v0, false, glo, ghi, g, c, word, sel,
+                                       dn_task ? stream_groups(nbd) : 0);
+    float* pp = part_gu + (gt * Sg + gsp) * C;
+    if (c == 0) {  // (swapped registers: row 0 of columns 8i + g and 8i + 8 + g)
+#pragma unroll
+      for (int i = 0; i < NT; i += 2) {
+        pp[8 * i + g] = acc[i / 2][0];
+        pp[8 * i + 8 + g] = acc[i / 2][2];
+      }
+    }
+  }
+  __syncthreads();
+  for (int j = threadIdx.x; j < IL; j += blockDim.x) {
+    const float* pp = part_gu + (j / (C / 2)) * Sg * C;
+    const int jj = j % (C / 2);
+    float gv = pp[2 * jj], up = pp[2 * jj + 1];
+    for (int q = 1; q < Sg; ++q) {  // split order 0..S-1
+      gv = gv + pp[q * C + 2 * jj];
+      up = up + pp[q * C + 2 * jj + 1];
+    }
+    const __half v = __float2half_rn(silu_mul(gv, up));
+    mine[j] = v;
+    inter[(long)a * I + r * IL + j] = v;
+  }
+  cluster_arrive();  // every CTA's part of the intermediate is in its shared memory
+  cluster_wait();
+  for (int i = threadIdx.x; i < I / 8; i += blockDim.x) {  // 16 bytes (8 values) a load
+    const int q = i / (IL / 8), o = i % (IL / 8);
+    *reinterpret_cast<float4*>(xin + 8 * i) = ld_cluster16(mine + 8 * o, q);
+  }
+  cluster_arrive();  // (this CTA has read the others' shared memory: they may leave)
+  __syncthreads();
+  if (dn_task) {
+#pragma unroll
+    for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    stream_compute<false, NT, 0, true>(acc, my_dn, xin, xin, v0, false, dlo, dhi, g, c, word, sel);
+    float* pp = part_dn + (dt * Sd + dsp) * C;
+    if (c == 0) {
+#pragma unroll
+      for (int i = 0; i < NT; i += 2) {
+        pp[8 * i + g] = acc[i / 2][0];
+        pp[8 * i + 8 + g] = acc[i / 2][2];
+      }
+    }
+  }
+  __syncthreads();
+  for (int j = threadIdx.x; j < TD * C; j += blockDim.x) {
+    const float* pp = part_dn + (j / C) * Sd * C;
+    float v = pp[j % C];
+    for (int q = 1; q < Sd; ++q) v = v + pp[q * C + j % C];
+    y[(long)a * H + r * TD * C + j] = v;
+  }
+  cluster_wait();  // no CTA leaves while another may still read its shared memory
+}
+
+#define Q4_EFUSED(NT, CS) extern "C" __global__ void __cluster_dims__(CS, 1, 1) \
+    __launch_bounds__(512, 1) q4_efused##CS##_##NT(const float* x, const int* ids, \
+    const unsigned char* gq, const unsigned* gs, const unsigned char* dq, const unsigned* ds, \
+    __half* inter, float* y, int H, int I, int stride_x, int Sg, int Sd, int topk) { \
+    q4_expert_fused<NT, CS>(x, ids, gq, gs, dq, ds, inter, y, H, I, stride_x, Sg, Sd, topk); }
+
 #define Q4_EXPERT(KIND, GU, NT, D) extern "C" __global__ void __launch_bounds__(256, 1) \
     q4_e##KIND##NT##_d##D(const void* x, const int* ids, const unsigned char* qs, \
                           const unsigned* sm, void* out, int N, int K, int stride_x, \
@@ -880,6 +1066,8 @@ Q4_CTA(8, 1, 0) Q4_CTA(8, 2, 0) Q4_CTA(8, 4, 0) Q4_CTAS(2, 0) Q4_CTAS(4, 0)
 // the one-token gate_up with each warp's split streamed whole (EXPERT_STREAM)
 Q4_EXPERT(gu, true, 1, 0) Q4_EXPERT(gu, true, 2, 0) Q4_EXPERT(gu, true, 4, 0) Q4_EXPERT_SW(gu, true, 2, 0)
 Q4_EXPERT_SW(gu, true, 4, 0)
+// the one-token experts fused in a cluster of 16 CTAs (FUSED_EXPERTS; 4: the emulator's tests)
+Q4_EFUSED(2, 16) Q4_EFUSED(2, 4)
 // ... and the one-token down the same way, its copies before the wait (DOWN_STREAM)
 Q4_EXPERT(dn, false, 1, 0) Q4_EXPERT(dn, false, 2, 0) Q4_EXPERT(dn, false, 4, 0) Q4_EXPERT_SW(dn, false, 2, 0)
 Q4_EXPERT_SW(dn, false, 4, 0)
@@ -1010,6 +1198,7 @@ EXTRA_ENTRIES += tuple(f"q4_{kind}{sw}8_{c // 8}_d0".encode() if kind == "cta"
                        else f"q4_e{sw}{kind}{c // 8}_d0".encode()
                        for kind in ("cta", "gu", "dn") for c in (8, 16, 32)
                        for sw in ("", "s") if not (sw and c == 8))
+EXTRA_ENTRIES += (b"q4_efused16_2", b"q4_efused4_2")
 STREAM = 0  # the depth that names the other form: the warp's split streamed into shared memory
 COLS = 16  # columns a warp by default (the fastest at 1-8 rows of qkv, GPU_NOTES v15)
 DEPTH = 8  # blocks a warp keeps in flight (register ring slots), or STREAM
@@ -1058,6 +1247,14 @@ EXPERT_STREAM = False
 # blocks, 3 commit groups). The same MMAs in the same order, so the same bits. Off until
 # measured (bench/ab_modes.py `dstream`)
 DOWN_STREAM = False
+# one token's experts (gate_up, then down) in one launch (q4_efused{CS}_2: an assignment a
+# thread block cluster of FUSED_CLUSTER CTAs, 16 columns a warp, every weight byte of the CTA
+# streamed into shared memory at once, the intermediate handed over through the cluster's
+# shared memory): one kernel boundary fewer a layer. The same MMAs in the same order, so the
+# same bits. Off until measured (bench/ab_modes.py `efused`)
+FUSED_EXPERTS = False
+FUSED_CLUSTER = 16
+_NONPORTABLE: set = set()  # kernels allowed clusters of more than 8 CTAs
 # the CTA form at <= 8 rows with each warp's whole split streamed into shared memory, its
 # copies issued before the PDL wait (q4_cta{s}8_{NT}_d0, where `cta_streams`), instead of the
 # register ring's first D blocks: every weight byte of the kernel in flight while its
@@ -1312,6 +1509,8 @@ def experts_direct(x: torch.Tensor, ids: torch.Tensor, experts, inter: torch.Ten
     depth STREAM: each kernel's splits streamed whole into shared memory where they are whole
     groups of 4 blocks and split K evenly; by default gate_up's where EXPERT_STREAM, down's
     where DOWN_STREAM, the others on EXPERT_DEPTH's ring."""
+    if FUSED_EXPERTS and cols is None and depth is None and fused_fits(experts, x, ids.shape[0]):
+        return experts_fused(x, ids, experts, inter, y)
     cols = cols or EXPERT_COLS
     streams = {"gu": depth == STREAM or (depth is None and EXPERT_STREAM),
                "dn": depth == STREAM or (depth is None and DOWN_STREAM)}
@@ -1342,6 +1541,64 @@ def experts_direct(x: torch.Tensor, ids: torch.Tensor, experts, inter: torch.Ten
         _launch(cuda, fns[f"q4_e{sw}{kind}{cols // 8}_d{d}".encode()], (n // cols, t * top_k, 1),
                 32 * split, smem, (src, ids, w, s.view(torch.int32), dst),
                 (n, k, src.stride(0), dst.stride(0), split, top_k, int(EXPERT_EARLY)))
+
+
+def _fused_shape(experts, cs: int) -> tuple[int, int, int] | None:
+    """(gate_up tiles, down tiles, warps) of a CTA of q4_efused{cs}_2 for these experts, or
+    None where it does not take them: whole 16-column tiles a CTA, a warp a (tile, split) of
+    each kernel (at most 16), splits of whole groups of 4 blocks, the intermediate's share of
+    a CTA whole 16-byte chunks, its shared memory within 227 KB."""
+    c, h, i = 16, experts.hidden, experts.inter
+    sg, sd = experts.gu_split, experts.down_split
+    if (2 * i) % (c * cs) or h % (c * cs) or h % (64 * sg) or i % (64 * sd):
+        return None
+    tg, td = 2 * i // (c * cs), h // (c * cs)
+    warps = max(tg * sg, td * sd)
+    if warps > 16 or (h // 32 // sg) % 4 or (i // 32 // sd) % 4 or (tg * c // 2) % 8:
+        return None
+    return (tg, td, warps) if _fused_smem(experts, cs) <= 227 * 1024 else None
+
+
+def _fused_smem(experts, cs: int) -> int:
+    """q4_expert_fused's dynamic shared memory: the split partials, the intermediate (whole,
+    and the CTA's part), then each gate_up and down task's streamed split."""
+    c, h, i = 16, experts.hidden, experts.inter
+    sg, sd = experts.gu_split, experts.down_split
+    tg, td = 2 * i // (c * cs), h // (c * cs)
+    head = -(-((tg * sg + td * sd) * c * 4 + 2 * i + tg * c) // 16) * 16
+    return head + tg * sg * (h // 32 // sg) * c * 20 + td * sd * (i // 32 // sd) * c * 20
+
+
+def fused_fits(experts, x: torch.Tensor, t: int) -> bool:
+    """Whether experts_fused takes one token of x for these experts (after experts_fit)."""
+    return t == 1 and _fused_shape(experts, FUSED_CLUSTER) is not None
+
+
+def experts_fused(x: torch.Tensor, ids: torch.Tensor, experts, inter: torch.Tensor,
+                  y: torch.Tensor, cluster: int | None = None) -> None:
+    """experts_direct's inter and y for x's tokens in one launch (q4_expert_fused): an
+    assignment a cluster of `cluster` CTAs; the same bits."""
+    cs = cluster or FUSED_CLUSTER
+    shape = _fused_shape(experts, cs)
+    if shape is None:
+        raise ValueError(f"cuda_q4: the fused experts do not take these experts in clusters of {cs}")
+    if ids.dtype != torch.int32 or not ids.is_contiguous() or inter.dtype != torch.float16 \
+            or not inter.is_contiguous() or y.dtype != torch.float32 or not y.is_contiguous():
+        raise ValueError("cuda_q4: ids int32, inter fp16 and y fp32, all contiguous")
+    t, top_k = ids.shape
+    if t * top_k == 0:
+        return
+    cuda, fns = _functions(x.device.index or 0)
+    fn = fns[f"q4_efused{cs}_2".encode()]
+    if cs > 8 and cuda is not None and fn.value not in _NONPORTABLE:
+        # (attribute 14: CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED)
+        if cuda.cuFuncSetAttribute(fn, 14, 1):
+            raise ValueError(f"cuda_q4: clusters of {cs} CTAs: the device does not allow them")
+        _NONPORTABLE.add(fn.value)
+    (gw, gs), (dw, ds) = experts.gu, experts.down
+    _launch(cuda, fn, (cs, t * top_k, 1), 32 * shape[2], _fused_smem(experts, cs),
+            (x, ids, gw, gs.view(torch.int32), dw, ds.view(torch.int32), inter, y),
+            (experts.hidden, experts.inter, x.stride(0), experts.gu_split, experts.down_split, top_k))
 
 
 def _check(x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None) -> None:

@@ -243,6 +243,50 @@ def test_the_streamed_one_token_experts_give_the_rings_bits_on_the_emulator(emu,
     assert names == ["q4_esgu2_d0", "q4_esdn2_d0", "q4_esgu2_d0", "q4_esdn2_d2"], names
 
 
+def test_the_fused_one_token_experts_give_the_two_launches_bits_on_the_emulator(emu, monkeypatch):
+    """cuda_q4.FUSED_EXPERTS (q4_efused{CS}_2: an assignment's gate_up and down in one cluster
+    launch, every split streamed whole into shared memory, the intermediate gathered from the
+    cluster's CTAs): experts_direct's intermediate and rows bit for bit at 1-2 tokens of top-2
+    over 4 experts, gate_up in 1 or 2 splits, every value written; the knob routes one token
+    (not two) to it."""
+    import dataclasses
+
+    from kernels import moe_layout
+    from kernels.linear import quantize_q4
+    g = torch.Generator().manual_seed(9)
+    e, h, i, topk = 4, 256, 128, 2
+    experts = tuple((quantize_q4(torch.randn(2 * i, h, generator=g)),
+                     quantize_q4(torch.randn(h, i, generator=g))) for _ in range(e))
+    st = moe_layout.StackedExperts.stack(experts, programs=4)
+    names, real = [], cuda_q4._launch
+    with cuda_emu.emulated(emu, clusters={"q4_efused4_2": (4, 1, 1)}):
+        emu_launch = cuda_q4._launch
+        cuda_q4._launch = lambda cuda, fn, *a: (names.append(fn), emu_launch(cuda, fn, *a))
+        for stacked in (st, dataclasses.replace(st, gu_split=2)):
+            assert cuda_q4._fused_shape(stacked, 4) is not None, (stacked.gu_split, stacked.down_split)
+            for t in (1, 2):
+                x = torch.randn(t, h, generator=g)
+                ids = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(t)]).int().contiguous()
+                got, want = [], []
+                for out, run in ((want, lambda *a: cuda_q4.experts_direct(*a, cols=16, depth=4)),
+                                 (got, lambda *a: cuda_q4.experts_fused(*a, cluster=4))):
+                    inter = torch.full((t * topk, i), float("nan")).half()
+                    y = torch.full((t * topk, h), float("nan"))
+                    run(x, ids, stacked, inter, y)
+                    out += [inter, y]
+                assert not got[0].isnan().any() and not got[1].isnan().any(), (stacked.gu_split, t)
+                assert torch.equal(got[0], want[0]), (stacked.gu_split, t, "inter")
+                assert torch.equal(got[1], want[1]), (stacked.gu_split, t, "y")
+        monkeypatch.setattr(cuda_q4, "FUSED_EXPERTS", True)
+        monkeypatch.setattr(cuda_q4, "FUSED_CLUSTER", 4)
+        names.clear()
+        for t in (1, 2):
+            cuda_q4.experts_direct(x[:t], ids[:t], st, torch.empty(t * topk, i).half(),
+                                   torch.empty(t * topk, h))
+    assert cuda_q4._launch is real
+    assert names == ["q4_efused4_2", "q4_esgu2_d4", "q4_esdn2_d4"], names
+
+
 # a thread block cluster's primitives as the emulator rewrites them: the CTA's rank, the
 # cluster barrier, mapa, and loads / stores into another CTA's shared memory
 CLUSTER_KERNEL = r"""

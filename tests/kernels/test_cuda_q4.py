@@ -386,3 +386,46 @@ def test_the_extra_module_is_loaded_on_the_first_launch_of_one_of_its_kernels(mo
         fns[b"q4_nothing"]
     assert len(loads) == 2 and not set(cuda_q4.ENTRIES) & set(cuda_q4.EXTRA_ENTRIES)
 
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_fused_one_token_experts_give_the_split_programs_bits(monkeypatch):
+    """cuda_q4.experts_fused (FUSED_EXPERTS: one token's gate_up and down in one launch, an
+    assignment a cluster of 16 CTAs) at the 30B's expert shape: inter and y equal to the
+    direct split programs', eager and replayed in a CUDA graph with PDL, one token at a time."""
+    from bench.kernel_bench import rand_q4
+    from kernels import moe_layout, triton_moe
+
+    hidden, inter, experts = 2048, 768, 128
+    g = torch.Generator("cuda").manual_seed(17)
+    st = moe_layout.StackedExperts.stack(
+        tuple((rand_q4(2 * inter, hidden, g), rand_q4(hidden, inter, g)) for _ in range(experts)))
+    if not cuda_q4.experts_fit(st, torch.empty(1, hidden, device="cuda")):
+        pytest.skip("the CTA form does not load here")
+    assert cuda_q4._fused_shape(st, 16) is not None, (st.gu_split, st.down_split)
+    for _ in range(3):
+        x = torch.randn(1, hidden, generator=g, device="cuda")
+        ids = torch.rand(1, experts, generator=g, device="cuda").topk(8, dim=-1).indices.int().contiguous()
+        want_i = torch.full((8, inter), float("nan"), device="cuda", dtype=torch.float16)
+        want_y = torch.full((8, hidden), float("nan"), device="cuda")
+        monkeypatch.setattr(triton_moe, "CUDA_MAX_TOKENS", None)
+        triton_moe.experts_forward(x, ids, st, want_i, want_y)
+        assert not want_y.isnan().any()
+        got_i, got_y = torch.full_like(want_i, float("nan")), torch.full_like(want_y, float("nan"))
+        cuda_q4.experts_fused(x, ids, st, got_i, got_y)
+        assert torch.equal(got_i, want_i) and torch.equal(got_y, want_y), "eager"
+        got_i.fill_(float("nan"))
+        got_y.fill_(float("nan"))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            cuda_q4.experts_fused(x, ids, st, got_i, got_y)
+            cuda_q4.experts_fused(x, ids, st, got_i, got_y)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got_i, want_i) and torch.equal(got_y, want_y), "graph"
+        monkeypatch.setattr(triton_moe, "CUDA_MAX_TOKENS", 8)
+        monkeypatch.setattr(cuda_q4, "FUSED_EXPERTS", True)
+        got_y.fill_(float("nan"))
+        triton_moe.experts_forward(x, ids, st, got_i, got_y)
+        assert torch.equal(got_y, want_y), "routed"
+        monkeypatch.setattr(cuda_q4, "FUSED_EXPERTS", False)
