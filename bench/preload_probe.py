@@ -14,7 +14,10 @@ resident, and fetching, only as the current one's leave. Three more rows take pa
 only): the dot products, the weight loads, both (what is left: the boundary, x, the merge and
 the store).
 
-    python -m bench.preload_probe [--phases 48] [--replays 200] [--json out.json]
+With --experts, one token's MoE experts a layer (8 of the 30B's experts): the engine's two
+launches against cuda_q4's fused cluster launch (FUSED_EXPERTS).
+
+    python -m bench.preload_probe [--phases 48] [--replays 200] [--experts] [--json out.json]
 """
 
 from __future__ import annotations
@@ -170,6 +173,8 @@ def main() -> None:
     ap.add_argument("--phases", type=int, default=48)
     ap.add_argument("--replays", type=int, default=200)
     ap.add_argument("--json", default="")
+    ap.add_argument("--experts", action="store_true",
+                    help="also one token's experts: two launches against the fused cluster launch")
     args = ap.parse_args()
     g = torch.Generator("cuda").manual_seed(0)
     shapes = [(4096, 2048), (2048, 4096)]
@@ -207,9 +212,58 @@ def main() -> None:
         us = chain_us(step, args.phases, args.replays)
         rows.append({"variant": name, "us_per_phase": us, "tb_per_s": mb / us})
         print(f"{name:34s} {us:7.2f} µs  {mb / us:5.2f} TB/s", flush=True)
+    expert_rows = experts_chain(args.phases, args.replays) if args.experts else []
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"phases": args.phases, "mb_per_phase": mb, "rows": rows}, f, indent=1)
+            json.dump({"phases": args.phases, "mb_per_phase": mb, "rows": rows,
+                       "experts": expert_rows}, f, indent=1)
+
+
+def experts_chain(layers: int, replays: int) -> list[dict]:
+    """One token's experts (top-8 of 8 stacked experts of the 30B's shape, a stack a layer)
+    `layers` times in a graph, each layer's x the previous one's first expert row: the
+    engine's two launches (gate_up, down) against the fused cluster launch
+    (cuda_q4.experts_fused); µs a layer, and the bits of the two compared."""
+    from bench.kernel_bench import rand_q4
+    from kernels import cuda_q4, moe_layout
+
+    hidden, inter = 2048, 768
+    g = torch.Generator("cuda").manual_seed(1)
+    stacks = [moe_layout.StackedExperts.stack(tuple((rand_q4(2 * inter, hidden, g), rand_q4(hidden, inter, g))
+                                                    for _ in range(8)))
+              for _ in range(layers)]
+    st = stacks[0]
+    print(f"experts: splits gate_up {st.gu_split} / down {st.down_split}; fused takes them: "
+          f"{cuda_q4._fused_shape(st, cuda_q4.FUSED_CLUSTER) is not None}; "
+          f"clusters of {cuda_q4.FUSED_CLUSTER} resident at once: {cuda_q4.fused_clusters()}", flush=True)
+    ids = torch.arange(8, device="cuda", dtype=torch.int32).view(1, 8)
+    x0 = torch.randn(1, hidden, generator=g, device="cuda")
+    inters = [torch.empty(8, inter, device="cuda", dtype=torch.float16) for _ in stacks]
+    ys = [torch.empty(8, hidden, device="cuda") for _ in stacks]
+
+    def chain(fused: bool):
+        def step():
+            x = x0
+            for s, i, y in zip(stacks, inters, ys):
+                (cuda_q4.experts_fused if fused else cuda_q4.experts_direct)(x, ids, s, i, y)
+                x = y[:1]
+        return step
+
+    rows, outs = [], {}
+    mb = sum(t.numel() * t.element_size() for t in (*st.gu, *st.down)) / 1e6
+    for name, fused in (("two launches (engine)", False), ("fused cluster launch", True),
+                        ("two launches again", False)):
+        try:
+            us = chain_us(chain(fused), layers, replays)
+        except RuntimeError as err:  # (a cluster the device cannot place)
+            print(f"{name:34s} failed: {err}", flush=True)
+            continue
+        outs[fused] = ys[-1].clone()
+        rows.append({"variant": name, "us_per_layer": us, "tb_per_s": mb / us})
+        print(f"{name:34s} {us:7.2f} µs a layer  {mb / us:5.2f} TB/s", flush=True)
+    if len(outs) == 2:
+        print(f"fused bits equal the two launches': {torch.equal(outs[True], outs[False])}")
+    return rows
 
 
 if __name__ == "__main__":

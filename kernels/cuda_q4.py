@@ -1574,6 +1574,23 @@ def fused_fits(experts, x: torch.Tensor, t: int) -> bool:
     return t == 1 and _fused_shape(experts, FUSED_CLUSTER) is not None
 
 
+def fused_clusters(device: int = 0, cs: int | None = None) -> int:
+    """How many clusters of q4_efused{cs}_2 (at the 30B's shared memory, 512 threads) the
+    device holds at once (cuOccupancyMaxActiveClusters); one token's experts take 8."""
+    cs = cs or FUSED_CLUSTER
+    cuda, fns = _functions(device)
+    fn = fns[f"q4_efused{cs}_2".encode()]
+    smem = 188 * 1024
+    if cuda.cuFuncSetAttribute(fn, 8, smem) or (cs > 8 and cuda.cuFuncSetAttribute(fn, 14, 1)):
+        return 0
+    _BIG_SMEM.add((fn.value, smem))
+    cfg = _LaunchConfig((ctypes.c_uint * 3)(cs, 8, 1), (ctypes.c_uint * 3)(512, 1, 1), smem,
+                        None, None, 0)
+    n = ctypes.c_int(0)
+    failed = cuda.cuOccupancyMaxActiveClusters(ctypes.byref(n), fn, ctypes.byref(cfg))
+    return -int(failed) if failed else n.value
+
+
 def experts_fused(x: torch.Tensor, ids: torch.Tensor, experts, inter: torch.Tensor,
                   y: torch.Tensor, cluster: int | None = None) -> None:
     """experts_direct's inter and y for x's tokens in one launch (q4_expert_fused): an
