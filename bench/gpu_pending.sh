@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
-# The next session's first device call (kernels/GPU_NOTES.md, v32 "Next"), printing as it
-# goes; every step has its own timeout so a hang costs that step only. It re-checks the kernel
-# bits on whatever machine comes, takes the defaults' baseline at contexts 128 / 2,048 x 1 / 64,
-# runs the ab modes of MODES beside them (v32: `cstream` / `estream`, the CTA form's splits
-# streamed whole before the wait / the one-token gate_up's streamed whole, and v30's
-# defaults, `noeven_nointer32`, for the H200's reading of the q4 K loops unmasked and the fp32
-# intermediate, measured on the H100 only), the engine's bitwise
-# sets under BITWISE_MODES and under one that beats them at 128 x 1 (the judge before a mode
-# may become a default), then the paged attention's phases timed
-# in-kernel, the q4 linear's row tiles at 16 / 64 rows, the ablations of v22 at context 128 x
-# 1 / 64 (what a kernel family costs on the one-token chain; timing only), Nsight Compute over
-# the one-token kernels and the kernel profile at 1 and 64 streams. T144=1 adds 64 streams x
-# 144 new tokens from context 128 (the issue's no-thrash row: H200 6,345.4 tok/s in v30, 98.6%
-# of the 64-token figure). Update it when the list changes.
+# The next session's device calls (kernels/GPU_NOTES.md, v33 "Next"), printing as it goes;
+# every step has its own timeout so a hang costs that step only. It re-checks the kernel bits
+# on whatever machine comes (v33: the fused one-token experts' too), times a q4 phase taken
+# apart and one token's experts fused against two launches (bench/preload_probe.py
+# --experts), takes the defaults' baseline at contexts 128 / 2,048 x 1 / 64, runs the ab
+# modes of MODES beside them (v32-v33: `efused`, one token's experts in one cluster launch;
+# `cstream` / `estream` / `dstream`, the CTA form's, the one-token gate_up's and down's
+# splits streamed whole; v30's defaults, `noeven_nointer32`, for the H200's reading of the
+# q4 K loops unmasked and the fp32 intermediate), the engine's bitwise sets under
+# BITWISE_MODES and under one that beats them at 128 x 1 (the judge before a mode may become
+# a default), then the paged attention's phases timed in-kernel, the q4 linear's row tiles
+# at 16 / 64 rows, the ablations of v22 at context 128 x 1 / 64 (what a kernel family costs
+# on the one-token chain; timing only), Nsight Compute over the one-token kernels and the
+# kernel profile at 1 and 64 streams. T144=1 adds 64 streams x 144 new tokens from context
+# 128 (the issue's no-thrash row: H200 6,345.4 tok/s in v30, 98.6% of the 64-token figure).
+# The whole list is longer than one 600 s call: GPU_NOTES v33 "Next" gives the first call's
+# narrowing (BASE_CONTEXT=128, four MODES). Update it when the list changes.
 # Usage (on the GPU machine, repo root):   OUT=/some/dir bash bench/gpu_pending.sh
 # (MODES= names ab modes to run beside the defaults; BITWISE_MODES adds the bitwise sets, which
 # also run for any mode of MODES that beats the defaults; BASE_CONTEXT / BASE_STREAMS narrow the
