@@ -1518,9 +1518,7 @@ def experts_direct(x: torch.Tensor, ids: torch.Tensor, experts, inter: torch.Ten
     if cols not in (8, 16, 32) or depth not in (2, 4, 8) or cols * depth > 128:
         raise ValueError("cuda_q4: expert cols 8, 16 or 32 and depth 2, 4 or 8 (cols x depth ≤ 128), "
                          "or STREAM")
-    if ids.dtype != torch.int32 or not ids.is_contiguous() or inter.dtype != torch.float16 \
-            or not inter.is_contiguous() or y.dtype != torch.float32 or not y.is_contiguous():
-        raise ValueError("cuda_q4: ids int32, inter fp16 and y fp32, all contiguous")
+    _check_experts(ids, inter, y)
     t, top_k = ids.shape
     if t * top_k == 0:
         return
@@ -1599,9 +1597,7 @@ def experts_fused(x: torch.Tensor, ids: torch.Tensor, experts, inter: torch.Tens
     shape = _fused_shape(experts, cs)
     if shape is None:
         raise ValueError(f"cuda_q4: the fused experts do not take these experts in clusters of {cs}")
-    if ids.dtype != torch.int32 or not ids.is_contiguous() or inter.dtype != torch.float16 \
-            or not inter.is_contiguous() or y.dtype != torch.float32 or not y.is_contiguous():
-        raise ValueError("cuda_q4: ids int32, inter fp16 and y fp32, all contiguous")
+    _check_experts(ids, inter, y)
     t, top_k = ids.shape
     if t * top_k == 0:
         return
@@ -1616,6 +1612,12 @@ def experts_fused(x: torch.Tensor, ids: torch.Tensor, experts, inter: torch.Tens
     _launch(cuda, fn, (cs, t * top_k, 1), 32 * shape[2], _fused_smem(experts, cs),
             (x, ids, gw, gs.view(torch.int32), dw, ds.view(torch.int32), inter, y),
             (experts.hidden, experts.inter, x.stride(0), experts.gu_split, experts.down_split, top_k))
+
+
+def _check_experts(ids: torch.Tensor, inter: torch.Tensor, y: torch.Tensor) -> None:
+    if ids.dtype != torch.int32 or not ids.is_contiguous() or inter.dtype != torch.float16 \
+            or not inter.is_contiguous() or y.dtype != torch.float32 or not y.is_contiguous():
+        raise ValueError("cuda_q4: ids int32, inter fp16 and y fp32, all contiguous")
 
 
 def _check(x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None) -> None:
