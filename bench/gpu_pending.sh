@@ -41,7 +41,7 @@ timeout 150 python -m pytest -q -n 0 tests/kernels/test_gpu.py \
 stamp "a q4 phase of the one-token chain taken apart, and the fused experts (v32-v33 Next; bench/preload_probe.py)"
 # (v33: --experts adds one token's experts, the engine's two launches against the fused
 # cluster launch, FUSED_EXPERTS, with how many of its clusters the device holds at once)
-timeout 200 python -m bench.preload_probe --experts --json "$OUT/preload.json" 2>&1 | tail -16
+timeout 200 python -m bench.preload_probe --experts --json "$OUT/preload.json" 2>&1 | tail -19
 
 # the defaults (pdl) at the contexts and stream counts of the targets, then the other MODES
 KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=${TAIL:-7} T_ENGINE=${T_ENGINE:-150} ENGINE_MODES="pdl" \

@@ -223,7 +223,8 @@ def experts_chain(layers: int, replays: int) -> list[dict]:
     """One token's experts (top-8 of 8 stacked experts of the 30B's shape, a stack a layer)
     `layers` times in a graph, each layer's x the previous one's first expert row: the
     engine's two launches (gate_up, down) against the fused cluster launch
-    (cuda_q4.experts_fused); µs a layer, and the bits of the two compared."""
+    (cuda_q4.experts_fused) and the two launches with gate_up's / down's splits streamed
+    (EXPERT_STREAM / DOWN_STREAM); µs a layer, each variant's last rows against the first's."""
     from bench.kernel_bench import rand_q4
     from kernels import cuda_q4, moe_layout
 
@@ -249,20 +250,31 @@ def experts_chain(layers: int, replays: int) -> list[dict]:
                 x = y[:1]
         return step
 
-    rows, outs = [], {}
+    rows, outs = [], []
     mb = sum(t.numel() * t.element_size() for t in (*st.gu, *st.down)) / 1e6
-    for name, fused in (("two launches (engine)", False), ("fused cluster launch", True),
-                        ("two launches again", False)):
+    knobs = ("EXPERT_STREAM", "DOWN_STREAM")
+    for name, fused, streamed in (("two launches (engine)", False, (False, False)),
+                                  ("fused cluster launch", True, (False, False)),
+                                  ("two launches, gate_up streamed", False, (True, False)),
+                                  ("two launches, down streamed", False, (False, True)),
+                                  ("two launches, both streamed", False, (True, True)),
+                                  ("two launches again", False, (False, False))):
+        saved = [getattr(cuda_q4, k) for k in knobs]
+        for k, v in zip(knobs, streamed):
+            setattr(cuda_q4, k, v)
         try:
             us = chain_us(chain(fused), layers, replays)
         except RuntimeError as err:  # (a cluster the device cannot place)
             print(f"{name:34s} failed: {err}", flush=True)
             continue
-        outs[fused] = ys[-1].clone()
-        rows.append({"variant": name, "us_per_layer": us, "tb_per_s": mb / us})
-        print(f"{name:34s} {us:7.2f} µs a layer  {mb / us:5.2f} TB/s", flush=True)
-    if len(outs) == 2:
-        print(f"fused bits equal the two launches': {torch.equal(outs[True], outs[False])}")
+        finally:
+            for k, v in zip(knobs, saved):
+                setattr(cuda_q4, k, v)
+        outs.append(ys[-1].clone())
+        rows.append({"variant": name, "us_per_layer": us, "tb_per_s": mb / us,
+                     "bits_equal_first": torch.equal(outs[-1], outs[0])})
+        print(f"{name:34s} {us:7.2f} µs a layer  {mb / us:5.2f} TB/s  bits as the first: "
+              f"{rows[-1]['bits_equal_first']}", flush=True)
     return rows
 
 

@@ -1574,7 +1574,8 @@ def fused_fits(experts, x: torch.Tensor, t: int) -> bool:
 
 def fused_clusters(device: int = 0, cs: int | None = None) -> int:
     """How many clusters of q4_efused{cs}_2 (at the 30B's shared memory, 512 threads) the
-    device holds at once (cuOccupancyMaxActiveClusters); one token's experts take 8."""
+    device holds at once (cuOccupancyMaxActiveClusters; 0 where it cannot say, a negative
+    CUresult where it failed); one token's experts take 8."""
     cs = cs or FUSED_CLUSTER
     cuda, fns = _functions(device)
     fn = fns[f"q4_efused{cs}_2".encode()]
@@ -1585,6 +1586,8 @@ def fused_clusters(device: int = 0, cs: int | None = None) -> int:
     cfg = _LaunchConfig((ctypes.c_uint * 3)(cs, 8, 1), (ctypes.c_uint * 3)(512, 1, 1), smem,
                         None, None, 0)
     n = ctypes.c_int(0)
+    if not hasattr(cuda, "cuOccupancyMaxActiveClusters"):  # (CUDA 12+)
+        return 0
     failed = cuda.cuOccupancyMaxActiveClusters(ctypes.byref(n), fn, ctypes.byref(cfg))
     return -int(failed) if failed else n.value
 
