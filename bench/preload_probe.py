@@ -224,7 +224,7 @@ def experts_chain(layers: int, replays: int) -> list[dict]:
     `layers` times in a graph, each layer's x the previous one's first expert row: the
     engine's two launches (gate_up, down) against the fused cluster launch
     (cuda_q4.experts_fused) and the two launches with gate_up's / down's splits streamed
-    (EXPERT_STREAM / DOWN_STREAM); µs a layer, each variant's last rows against the first's."""
+    (EXPERT_STREAM / DOWN_STREAM); µs a layer, each variant's rows (every layer's) against the first's."""
     from bench.kernel_bench import rand_q4
     from kernels import cuda_q4, moe_layout
 
@@ -270,7 +270,7 @@ def experts_chain(layers: int, replays: int) -> list[dict]:
         finally:
             for k, v in zip(knobs, saved):
                 setattr(cuda_q4, k, v)
-        outs.append(ys[-1].clone())
+        outs.append(torch.cat(ys))  # (every layer's: the last ones' values may have decayed)
         rows.append({"variant": name, "us_per_layer": us, "tb_per_s": mb / us,
                      "bits_equal_first": torch.equal(outs[-1], outs[0])})
         print(f"{name:34s} {us:7.2f} µs a layer  {mb / us:5.2f} TB/s  bits as the first: "
