@@ -66,8 +66,9 @@ def apply(mode: str) -> None:
         from kernels import cuda_q4  # (EXPERT_STREAM; noestream: the ring)
         cuda_q4.EXPERT_STREAM = 'noestream' not in mode
     if 'efused' in mode:  # cuda_q4's one-token experts in one cluster launch (FUSED_EXPERTS;
-        from kernels import cuda_q4  # noefused: two launches)
-        cuda_q4.FUSED_EXPERTS = 'noefused' not in mode
+        from kernels import cuda_q4  # noefused: two launches); efusedk: the top-k folded in,
+        cuda_q4.FUSED_EXPERTS = 'noefused' not in mode  # the CUDA top-k at every token count
+        cuda_q4.FUSED_TOPK = 'efusedk' in mode  # (FUSED_TOPK)
     if 'dstream' in mode:  # cuda_q4's one-token down with each warp's split streamed whole,
         from kernels import cuda_q4  # its copies before the wait (DOWN_STREAM; nodstream: the ring)
         cuda_q4.DOWN_STREAM = 'nodstream' not in mode

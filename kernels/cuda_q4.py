@@ -854,6 +854,91 @@ __device__ __forceinline__ void q4_expert_cta(const void* __restrict__ xv, const
   }
 }
 
+// ---- the CUDA top-k (FUSED_TOPK: at every token count, so the fused experts may rank one
+// token's logits themselves and give the same ids and weights): softmax over a row's E logits,
+// the top-k by probability descending (ties to the lower id, NaN below every number), the
+// weights renormalized over the k when `norm`. Its arithmetic is its own, in one fixed order
+// whatever the CTA's size: mx = the max (exact); e_i = expf(l_i - mx); total = warp 0's sum
+// (lane l adds e_l, e_{l+32}, ... in order, then a butterfly of 5); p_i = e_i / total; each
+// expert's rank counted as the keys above its own (integers); wts = p / (the k picks' p summed
+// in rank order) or p. The same picks as the Triton top-k wherever the probabilities differ,
+// not its weights' last bits (its sums run in Triton's order).
+#define TOPK_MAX_E 256
+#define TOPK_MAX_K 32
+
+// p >= 0 (or NaN) as an int that orders as p does; NaN below every number
+__device__ __forceinline__ int prob_key(float p) {
+  return p != p ? -1 : (p == 0.f ? 0 : __float_as_int(p));
+}
+
+// The top-k of the E logits sl (shared memory) into sid / sel (k each, shared) and, where ids
+// is not null, ids / wts; by every thread of the CTA (blockDim a multiple of 32, >= E). sp,
+// sk: E floats / ints; red: 1 (shared).
+__device__ __forceinline__ void topk_cta(const float* sl, int E, int k, int norm, float* sp,
+                                         int* sk, float* sel, int* sid, float* red,
+                                         int* __restrict__ ids, float* __restrict__ wts) {
+  const int tid = threadIdx.x, lane = tid & 31;
+  if (tid < 32) {  // max, exponentials and their sum: warp 0, one fixed order
+    float m = __int_as_float(0xff800000);  // -inf
+    for (int i = lane; i < E; i += 32) m = fmaxf(m, sl[i]);
+    for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float s = 0.f;
+    for (int i = lane; i < E; i += 32) {  // a NaN logit: NaN, kept out of the sum (ranks last)
+      const float l = sl[i], e = l != l ? l : expf(l - m);
+      sp[i] = e;
+      s += l != l ? 0.f : e;
+    }
+    for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (lane == 0) red[0] = s;
+  }
+  __syncthreads();
+  const float total = red[0];
+  for (int i = tid; i < E; i += blockDim.x) {
+    const float p = sp[i] / total;
+    sp[i] = p;
+    sk[i] = prob_key(p);
+  }
+  __syncthreads();
+  // expert i's rank: the keys above its own (ties: lower ids first), counted by h threads of
+  // one warp over E / h keys each, then summed across them
+  int h = 1;
+  while (h < 32 && 2 * h * E <= (int)blockDim.x) h *= 2;
+  const int i = tid / h, q = tid % h, per = (E + h - 1) / h;
+  int above = 0;
+  if (i < E) {
+    const int ki = sk[i];
+    const int j1 = min(E, (q + 1) * per);
+    for (int j = q * per; j < j1; ++j) {
+      const int kj = sk[j];
+      above += (kj > ki) | ((kj == ki) & (j < i));
+    }
+  }
+  for (int o = 1; o < h; o <<= 1) above += __shfl_xor_sync(0xffffffffu, above, o);
+  if (i < E && q == 0 && above < k) {
+    sel[above] = sp[i];
+    sid[above] = i;
+  }
+  __syncthreads();
+  if (ids != nullptr && tid < k) {
+    float t = sel[0];
+    for (int r = 1; r < k; ++r) t = t + sel[r];  // rank order
+    ids[tid] = sid[tid];
+    wts[tid] = norm ? sel[tid] / t : sel[tid];
+  }
+}
+
+// grid (T); block 256: row t's top-k (after the PDL wait: the logits are the predecessor's)
+#define TOPK_ROWS extern "C" __global__ void __launch_bounds__(256) topk_rows( \
+    const float* __restrict__ logits, int* __restrict__ ids, float* __restrict__ wts, int E, \
+    int k, int norm, int stride_l) { \
+  __shared__ float sl[TOPK_MAX_E], sp[TOPK_MAX_E], sel[TOPK_MAX_K], red[1]; \
+  __shared__ int sk[TOPK_MAX_E], sid[TOPK_MAX_K]; \
+  pdl_wait(); \
+  const long t = blockIdx.x; \
+  for (int i = threadIdx.x; i < E; i += blockDim.x) sl[i] = logits[t * stride_l + i]; \
+  __syncthreads(); \
+  topk_cta(sl, E, k, norm, sp, sk, sel, sid, red, ids + t * k, wts + t * k); }
+
 // ---- the one-token experts fused (FUSED_EXPERTS): gate_up and down of an assignment a in
 // one launch, its CTAs one thread block cluster of CS (16 warps each). CTA r takes gate_up's
 // column tiles r TG .. r TG + TG - 1 (TG = 2I / (8 NT CS)) and down's r TD .. (TD = H / (8 NT
@@ -888,14 +973,20 @@ __device__ __forceinline__ float4 ld_cluster16(const void* p, unsigned rank) {
 
 __device__ __forceinline__ int align16(int b) { return (b + 15) & ~15; }
 
-template <int NT, int CS>
-__device__ __forceinline__ void q4_expert_fused(const float* __restrict__ x, const int* __restrict__ ids,
+// TOPK: ids is the top-k's output, not its input: each CTA ranks its token's logits row itself
+// (topk_cta, after the PDL wait: the router's), and the token's first assignment's CTA 0
+// writes ids and wts (for the combine).
+template <int NT, int CS, bool TOPK = false>
+__device__ __forceinline__ void q4_expert_fused(const float* __restrict__ x, int* __restrict__ ids,
                                                 const unsigned char* __restrict__ gq,
                                                 const unsigned* __restrict__ gs,
                                                 const unsigned char* __restrict__ dq,
                                                 const unsigned* __restrict__ ds,
                                                 __half* __restrict__ inter, float* __restrict__ y,
-                                                int H, int I, int stride_x, int Sg, int Sd, int topk) {
+                                                int H, int I, int stride_x, int Sg, int Sd, int topk,
+                                                const float* __restrict__ logits = nullptr,
+                                                float* __restrict__ wts = nullptr, int E = 0,
+                                                int norm = 0, int stride_l = 0) {
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int C = 8 * NT;
   const int TG = 2 * I / (C * CS), TD = H / (C * CS), IL = TG * C / 2;  // IL: this CTA's values
@@ -915,8 +1006,21 @@ __device__ __forceinline__ void q4_expert_fused(const float* __restrict__ x, con
   split_k(H, Sg, gsp, glo, ghi);
   split_k(I, Sd, dsp, dlo, dhi);
   lane_bytes(c, sel, word);
-  pdl_wait();  // ids: the top-k's
-  const long e = ids[a];
+  pdl_wait();  // ids: the top-k's (TOPK: the router's logits)
+  long e;
+  if constexpr (TOPK) {
+    __shared__ float sl[TOPK_MAX_E], sp[TOPK_MAX_E], sel[TOPK_MAX_K], red[1];
+    __shared__ int sk[TOPK_MAX_E], sid[TOPK_MAX_K];
+    const long t = a / topk;
+    for (int i = threadIdx.x; i < E; i += blockDim.x) sl[i] = logits[t * stride_l + i];
+    __syncthreads();
+    const bool writer = r == 0 && a % topk == 0;
+    topk_cta(sl, E, topk, norm, sp, sk, sel, sid, red, writer ? ids + t * topk : nullptr,
+             writer ? wts + t * topk : nullptr);
+    e = sid[a % topk];
+  } else {
+    e = ids[a];
+  }
   const int gn0 = (r * TG + gt) * C, dn0 = (r * TD + dt) * C;
   unsigned char* my_gu = sgu + w * nbg * C * 20;
   unsigned char* my_dn = sdn + w * nbd * C * 20;
@@ -988,10 +1092,18 @@ __device__ __forceinline__ void q4_expert_fused(const float* __restrict__ x, con
 }
 
 #define Q4_EFUSED(NT, CS) extern "C" __global__ void __cluster_dims__(CS, 1, 1) \
-    __launch_bounds__(512, 1) q4_efused##CS##_##NT(const float* x, const int* ids, \
+    __launch_bounds__(512, 1) q4_efused##CS##_##NT(const float* x, int* ids, \
     const unsigned char* gq, const unsigned* gs, const unsigned char* dq, const unsigned* ds, \
     __half* inter, float* y, int H, int I, int stride_x, int Sg, int Sd, int topk) { \
     q4_expert_fused<NT, CS>(x, ids, gq, gs, dq, ds, inter, y, H, I, stride_x, Sg, Sd, topk); }
+// ... ranking the token's logits itself (FUSED_TOPK): q4_efusedk{CS}_{NT}
+#define Q4_EFUSEDK(NT, CS) extern "C" __global__ void __cluster_dims__(CS, 1, 1) \
+    __launch_bounds__(512, 1) q4_efusedk##CS##_##NT(const float* x, int* ids, \
+    const unsigned char* gq, const unsigned* gs, const unsigned char* dq, const unsigned* ds, \
+    __half* inter, float* y, const float* logits, float* wts, int H, int I, int stride_x, \
+    int Sg, int Sd, int topk, int E, int norm, int stride_l) { \
+    q4_expert_fused<NT, CS, true>(x, ids, gq, gs, dq, ds, inter, y, H, I, stride_x, Sg, Sd, topk, \
+                                  logits, wts, E, norm, stride_l); }
 
 #define Q4_EXPERT(KIND, GU, NT, D) extern "C" __global__ void __launch_bounds__(256, 1) \
     q4_e##KIND##NT##_d##D(const void* x, const int* ids, const unsigned char* qs, \
@@ -1067,7 +1179,7 @@ Q4_CTA(8, 1, 0) Q4_CTA(8, 2, 0) Q4_CTA(8, 4, 0) Q4_CTAS(2, 0) Q4_CTAS(4, 0)
 Q4_EXPERT(gu, true, 1, 0) Q4_EXPERT(gu, true, 2, 0) Q4_EXPERT(gu, true, 4, 0) Q4_EXPERT_SW(gu, true, 2, 0)
 Q4_EXPERT_SW(gu, true, 4, 0)
 // the one-token experts fused in a cluster of 16 CTAs (FUSED_EXPERTS; 4: the emulator's tests)
-Q4_EFUSED(2, 16) Q4_EFUSED(2, 4)
+Q4_EFUSED(2, 16) Q4_EFUSED(2, 4) Q4_EFUSEDK(2, 16) Q4_EFUSEDK(2, 4) TOPK_ROWS
 // ... and the one-token down the same way, its copies before the wait (DOWN_STREAM)
 Q4_EXPERT(dn, false, 1, 0) Q4_EXPERT(dn, false, 2, 0) Q4_EXPERT(dn, false, 4, 0) Q4_EXPERT_SW(dn, false, 2, 0)
 Q4_EXPERT_SW(dn, false, 4, 0)
@@ -1198,7 +1310,7 @@ EXTRA_ENTRIES += tuple(f"q4_{kind}{sw}8_{c // 8}_d0".encode() if kind == "cta"
                        else f"q4_e{sw}{kind}{c // 8}_d0".encode()
                        for kind in ("cta", "gu", "dn") for c in (8, 16, 32)
                        for sw in ("", "s") if not (sw and c == 8))
-EXTRA_ENTRIES += (b"q4_efused16_2", b"q4_efused4_2")
+EXTRA_ENTRIES += (b"q4_efused16_2", b"q4_efused4_2", b"q4_efusedk16_2", b"q4_efusedk4_2", b"topk_rows")
 STREAM = 0  # the depth that names the other form: the warp's split streamed into shared memory
 COLS = 16  # columns a warp by default (the fastest at 1-8 rows of qkv, GPU_NOTES v15)
 DEPTH = 8  # blocks a warp keeps in flight (register ring slots), or STREAM
@@ -1254,6 +1366,12 @@ DOWN_STREAM = False
 # same bits. Off until measured (bench/ab_modes.py `efused`)
 FUSED_EXPERTS = False
 FUSED_CLUSTER = 16
+# the MoE's top-k on this module's CUDA top-k (topk_rows) at every token count and, with
+# FUSED_EXPERTS, one token's top-k inside the fused experts (q4_efusedk{CS}_2: each CTA ranks
+# the router's logits itself): one kernel boundary fewer again. Its weights are not the Triton
+# top-k's bits, so it runs at every token count or not at all. Off until measured
+# (bench/ab_modes.py `efusedk`)
+FUSED_TOPK = False
 _NONPORTABLE: set = set()  # kernels allowed clusters of more than 8 CTAs
 # the CTA form at <= 8 rows with each warp's whole split streamed into shared memory, its
 # copies issued before the PDL wait (q4_cta{s}8_{NT}_d0, where `cta_streams`), instead of the
@@ -1572,6 +1690,9 @@ def fused_fits(experts, x: torch.Tensor, t: int) -> bool:
     return t == 1 and _fused_shape(experts, FUSED_CLUSTER) is not None
 
 
+TOPK_MAX_E, TOPK_MAX_K = 256, 32  # (the source's)
+
+
 def fused_clusters(device: int = 0, cs: int | None = None) -> int:
     """How many clusters of q4_efused{cs}_2 (at the 30B's shared memory, 512 threads) the
     device holds at once (cuOccupancyMaxActiveClusters; 0 where it cannot say, a negative
@@ -1592,10 +1713,30 @@ def fused_clusters(device: int = 0, cs: int | None = None) -> int:
     return -int(failed) if failed else n.value
 
 
+def topk_fits(logits: torch.Tensor, top_k: int) -> bool:
+    """Whether `topk` takes these logits [T, E] (on a device where the kernels load)."""
+    return (logits.is_cuda and logits.dtype == torch.float32 and logits.stride(1) == 1
+            and logits.shape[1] <= TOPK_MAX_E and 0 < top_k <= min(TOPK_MAX_K, logits.shape[1])
+            and available(logits.device.index or 0))
+
+
+def topk(logits: torch.Tensor, top_k: int, norm: bool, ids: torch.Tensor,
+         wts: torch.Tensor) -> None:
+    """ids [T, k] int32, wts [T, k] f32 ← the top-k of each row of logits [T, E] by the CUDA
+    top-k (topk_cta: FUSED_TOPK's arithmetic), one CTA a row."""
+    t, e = logits.shape
+    if t:
+        cuda, fns = _functions(logits.device.index or 0)
+        _launch(cuda, fns[b"topk_rows"], (t, 1, 1), 256, 0, (logits, ids, wts),
+                (e, top_k, int(norm), logits.stride(0)))
+
+
 def experts_fused(x: torch.Tensor, ids: torch.Tensor, experts, inter: torch.Tensor,
-                  y: torch.Tensor, cluster: int | None = None) -> None:
+                  y: torch.Tensor, cluster: int | None = None, logits: torch.Tensor | None = None,
+                  wts: torch.Tensor | None = None, norm: bool = False) -> None:
     """experts_direct's inter and y for x's tokens in one launch (q4_expert_fused): an
-    assignment a cluster of `cluster` CTAs; the same bits."""
+    assignment a cluster of `cluster` CTAs; the same bits. With logits [T, E] (and wts [T, k]):
+    ids and wts are outputs, the top-k of the logits as `topk` gives them (q4_efusedk)."""
     cs = cluster or FUSED_CLUSTER
     shape = _fused_shape(experts, cs)
     if shape is None:
@@ -1605,16 +1746,22 @@ def experts_fused(x: torch.Tensor, ids: torch.Tensor, experts, inter: torch.Tens
     if t * top_k == 0:
         return
     cuda, fns = _functions(x.device.index or 0)
-    fn = fns[f"q4_efused{cs}_2".encode()]
+    fn = fns[f"q4_efused{'k' if logits is not None else ''}{cs}_2".encode()]
     if cs > 8 and cuda is not None and fn.value not in _NONPORTABLE:
         # (attribute 14: CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED)
         if cuda.cuFuncSetAttribute(fn, 14, 1):
             raise ValueError(f"cuda_q4: clusters of {cs} CTAs: the device does not allow them")
         _NONPORTABLE.add(fn.value)
     (gw, gs), (dw, ds) = experts.gu, experts.down
-    _launch(cuda, fn, (cs, t * top_k, 1), 32 * shape[2], _fused_smem(experts, cs),
-            (x, ids, gw, gs.view(torch.int32), dw, ds.view(torch.int32), inter, y),
-            (experts.hidden, experts.inter, x.stride(0), experts.gu_split, experts.down_split, top_k))
+    tensors = (x, ids, gw, gs.view(torch.int32), dw, ds.view(torch.int32), inter, y)
+    ints = (experts.hidden, experts.inter, x.stride(0), experts.gu_split, experts.down_split, top_k)
+    if logits is not None:
+        if wts is None or wts.shape != ids.shape or not wts.is_contiguous() \
+                or logits.shape[0] != t or not 0 < logits.shape[1] <= TOPK_MAX_E or top_k > TOPK_MAX_K:
+            raise ValueError("cuda_q4: the fused top-k needs logits [T, E ≤ 256], wts like ids")
+        tensors += (logits, wts)
+        ints += (logits.shape[1], int(norm), logits.stride(0))
+    _launch(cuda, fn, (cs, t * top_k, 1), 32 * shape[2], _fused_smem(experts, cs), tensors, ints)
 
 
 def _check_experts(ids: torch.Tensor, inter: torch.Tensor, y: torch.Tensor) -> None:

@@ -554,6 +554,17 @@ def blocks_per_sm(regs: int, shared: int, warps: int, sm_regs: int = 65536,
 
 
 # ---- host side --------------------------------------------------------------------------------
+def _fused_topk(x: torch.Tensor, t: int, top_k: int, experts: StackedExperts, router: Linear) -> bool:
+    """Whether one token's route and experts take cuda_q4's fused experts with the top-k
+    folded in (FUSED_TOPK and FUSED_EXPERTS, where the CUDA one-token experts run)."""
+    if not x.is_cuda or t != 1:
+        return False
+    from kernels import cuda_q4
+    return (cuda_q4.FUSED_TOPK and cuda_q4.FUSED_EXPERTS and _cuda_direct(x, t, top_k, experts)
+            and cuda_q4.fused_fits(experts, x, t) and router.out_features <= cuda_q4.TOPK_MAX_E
+            and top_k <= cuda_q4.TOPK_MAX_K)
+
+
 def moe(x: torch.Tensor, router: Linear, experts: StackedExperts, top_k: int,
         norm_topk_prob: bool, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, hidden] f32 (, residual [T, hidden] f32) → [T, hidden] f32: (residual +) the top-k
@@ -561,6 +572,15 @@ def moe(x: torch.Tensor, router: Linear, experts: StackedExperts, top_k: int,
     t, dev = x.shape[0], x.device
     ids = torch.empty(t, top_k, dtype=torch.int32, device=dev)  # [T, k]
     wts = torch.empty(t, top_k, dtype=torch.float32, device=dev)  # [T, k]
+    if _fused_topk(x, t, top_k, experts, router):  # cuda_q4.FUSED_TOPK at one token
+        from kernels import cuda_q4
+        logits = torch.empty(t, router.out_features, dtype=torch.float32, device=dev)
+        triton_moe_route.route(x, router, top_k, norm_topk_prob, ids, wts, logits, logits_only=True)
+        inter = torch.empty(t * top_k, experts.inter, dtype=torch.float16, device=dev)
+        y = torch.empty(t * top_k, experts.hidden, dtype=torch.float32, device=dev)
+        cuda_q4.experts_fused(x, ids, experts, inter, y, logits=logits, wts=wts, norm=norm_topk_prob)
+        out = torch.empty(t, experts.hidden, dtype=torch.float32, device=dev)
+        return triton_moe_route.combine(y, wts, out, residual)
     triton_moe_route.route(x, router, top_k, norm_topk_prob, ids, wts)
     if fused_fits(t, top_k, experts):
         return _fused(x, ids, wts, experts, residual)

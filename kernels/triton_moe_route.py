@@ -133,9 +133,13 @@ def combine_block(y_ptr, wts_ptr, res_ptr, out_ptr, t, n, N, stride_y, stride_re
 
 # ---- host side --------------------------------------------------------------------------------
 def route(x: torch.Tensor, router: Linear, top_k: int, norm_topk_prob: bool,
-          ids: torch.Tensor, wts: torch.Tensor, logits: torch.Tensor | None = None) -> None:
+          ids: torch.Tensor, wts: torch.Tensor, logits: torch.Tensor | None = None,
+          logits_only: bool = False) -> None:
     """x [T, hidden] f32, router [E, hidden] → ids [T, k] int32, wts [T, k] f32: the top-k of
-    softmax(x @ router.T) in rank order (renormalized over the k when norm_topk_prob)."""
+    softmax(x @ router.T) in rank order (renormalized over the k when norm_topk_prob); on
+    cuda_q4's CUDA top-k where cuda_q4.FUSED_TOPK (at every token count: its weights' bits
+    are its own). logits_only: the router's logits into `logits` alone (the fused experts
+    rank them)."""
     t = x.shape[0]
     e = router.out_features
     if ids.shape != (t, top_k) or ids.dtype != torch.int32 or not ids.is_contiguous():
@@ -149,6 +153,13 @@ def route(x: torch.Tensor, router: Linear, top_k: int, norm_topk_prob: bool,
     if logits is None:
         logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
     linear(router, x, logits, tile=None if router.fmt == "q4" else ROUTER_TILE)
+    if logits_only:
+        return
+    if x.is_cuda:
+        from kernels import cuda_q4
+        if cuda_q4.FUSED_TOPK and cuda_q4.topk_fits(logits, top_k):
+            cuda_q4.topk(logits, top_k, norm_topk_prob, ids, wts)
+            return
     bm = 4
     _topk_kernel[(triton.cdiv(t, bm),)](logits, ids, wts, t, e, logits.stride(0), TOPK=top_k,
                                         NORM=norm_topk_prob, BM=bm,

@@ -31,14 +31,15 @@ def test_the_cuda_modes_route_rows_to_the_cuda_kernel(mode, want):
                         "cuda_q4.DEPTH, cuda_q4.CTA, cuda_q4.SWAP_REGS, cuda_q4.FILL_COLS") == want.split()
 
 
-@pytest.mark.parametrize("mode,want", [("pdl", "False True False False False"),
-                                       ("pdl_cstream", "True True False False False"),
-                                       ("pdl_nocstream_nocta_estream", "False False True False False"),
-                                       ("pdl_cstream_noestream_dstream", "True True False True False"),
-                                       ("pdl_estream_nodstream_efused", "False True True False True")])
+@pytest.mark.parametrize("mode,want", [("pdl", "False True False False False False"),
+                                       ("pdl_cstream", "True True False False False False"),
+                                       ("pdl_nocstream_nocta_estream", "False False True False False False"),
+                                       ("pdl_cstream_noestream_dstream", "True True False True False False"),
+                                       ("pdl_estream_nodstream_efused", "False True True False True False"),
+                                       ("pdl_efusedk", "False True False False True True")])
 def test_the_streamed_cta_modes_set_their_knobs(mode, want):
     assert _knobs(mode, "cuda_q4.CTA_STREAM, cuda_q4.CTA, cuda_q4.EXPERT_STREAM, "
-                        "cuda_q4.DOWN_STREAM, cuda_q4.FUSED_EXPERTS") == want.split()
+                        "cuda_q4.DOWN_STREAM, cuda_q4.FUSED_EXPERTS, cuda_q4.FUSED_TOPK") == want.split()
 
 
 @pytest.mark.parametrize("mode,want", [("pdl", "None 2 4"), ("pdl_csw16_cswmt1_csww8", "16 1 8"),

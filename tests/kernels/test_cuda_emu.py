@@ -287,6 +287,42 @@ def test_the_fused_one_token_experts_give_the_two_launches_bits_on_the_emulator(
     assert names == ["q4_efused4_2", "q4_esgu2_d4", "q4_esdn2_d4"], names
 
 
+def test_the_fused_experts_with_the_top_k_folded_in_give_topk_then_the_experts_bits_on_the_emulator(
+        emu):
+    """cuda_q4.FUSED_TOPK: the CUDA top-k (topk_rows) picks softmax's top-k, ties to the lower
+    id, weights renormalized; the fused experts ranking the logits themselves (q4_efusedk)
+    give its ids and weights and the two launches' inter and y bit for bit, at 1-2 tokens."""
+    from kernels import moe_layout
+    from kernels.linear import quantize_q4
+    g = torch.Generator().manual_seed(21)
+    e, h, i, topk = 8, 256, 128, 2
+    experts = tuple((quantize_q4(torch.randn(2 * i, h, generator=g)),
+                     quantize_q4(torch.randn(h, i, generator=g))) for _ in range(e))
+    st = moe_layout.StackedExperts.stack(experts, programs=4)
+    with cuda_emu.emulated(emu, clusters={"q4_efusedk4_2": (4, 1, 1)}):
+        for t, norm in ((1, True), (2, False)):
+            logits = torch.randn(t, e, generator=g)
+            logits[0, 5] = logits[0, 2] = logits[0].max() + 1  # a tie: the lower id first
+            ids, wts = torch.full((t, topk), -1, dtype=torch.int32), torch.full((t, topk), float("nan"))
+            cuda_q4.topk(logits, topk, norm, ids, wts)
+            p = torch.softmax(logits.double(), -1)
+            want_w, want_i = p.topk(topk, -1, sorted=True)
+            assert ids[0].tolist() == [2, 5] and torch.equal(ids.long(), want_i), (ids, want_i)
+            if norm:
+                want_w = want_w / want_w.sum(-1, keepdim=True)
+            assert torch.allclose(wts.double(), want_w, rtol=1e-6), (wts, want_w)
+            x = torch.randn(t, h, generator=g)
+            inter = torch.full((t * topk, i), float("nan")).half()
+            y = torch.full((t * topk, h), float("nan"))
+            cuda_q4.experts_direct(x, ids, st, inter, y, cols=16, depth=4)
+            got_ids, got_w = torch.full_like(ids, -1), torch.full_like(wts, float("nan"))
+            got_i, got_y = torch.full_like(inter, float("nan")), torch.full_like(y, float("nan"))
+            cuda_q4.experts_fused(x, got_ids, st, got_i, got_y, cluster=4, logits=logits, wts=got_w,
+                                  norm=norm)
+            assert torch.equal(got_ids, ids) and torch.equal(got_w, wts), (t, got_ids, ids)
+            assert torch.equal(got_i, inter) and torch.equal(got_y, y), t
+
+
 # a thread block cluster's primitives as the emulator rewrites them: the CTA's rank, the
 # cluster barrier, mapa, and loads / stores into another CTA's shared memory
 CLUSTER_KERNEL = r"""

@@ -429,3 +429,43 @@ def test_the_fused_one_token_experts_give_the_split_programs_bits(monkeypatch):
         triton_moe.experts_forward(x, ids, st, got_i, got_y)
         assert torch.equal(got_y, want_y), "routed"
         monkeypatch.setattr(cuda_q4, "FUSED_EXPERTS", False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_top_k_folded_into_the_fused_experts_gives_the_cuda_top_ks_bits(monkeypatch):
+    """cuda_q4.FUSED_TOPK: the CUDA top-k picks the Triton top-k's experts (its weights within
+    1e-6); the MoE at one token with the top-k folded into the fused experts equals the CUDA
+    top-k then the two launches bit for bit, and a token's output alone equals its row among
+    5 (the CUDA top-k at every token count)."""
+    from bench.kernel_bench import rand_q4
+    from kernels import moe_layout, q4_layout, triton_moe, triton_moe_route
+
+    hidden, inter, experts, k = 2048, 768, 128, 8
+    g = torch.Generator("cuda").manual_seed(23)
+    st = moe_layout.StackedExperts.stack(
+        tuple((rand_q4(2 * inter, hidden, g), rand_q4(hidden, inter, g)) for _ in range(experts)))
+    router = q4_layout.repack(rand_q4(experts, hidden, g))
+    x = torch.randn(5, hidden, generator=g, device="cuda")
+    if not cuda_q4.experts_fit(st, x):
+        pytest.skip("the CTA form does not load here")
+    logits = torch.randn(64, experts, generator=g, device="cuda")
+    ids = {}
+    for cuda_topk in (False, True):
+        monkeypatch.setattr(cuda_q4, "FUSED_TOPK", cuda_topk)
+        i, w = torch.empty(64, k, dtype=torch.int32, device="cuda"), torch.empty(64, k, device="cuda")
+        if cuda_topk:
+            cuda_q4.topk(logits, k, True, i, w)
+        else:
+            triton_moe_route._topk_kernel[(16,)](logits, i, w, 64, experts, logits.stride(0), TOPK=k,
+                                                 NORM=True, BM=4, E_PAD=experts, num_warps=2)
+        ids[cuda_topk] = i, w
+    assert torch.equal(ids[True][0], ids[False][0])
+    assert torch.allclose(ids[True][1], ids[False][1], rtol=1e-6, atol=0)
+    monkeypatch.setattr(cuda_q4, "FUSED_TOPK", True)
+    outs = {}
+    for fused in (False, True):
+        monkeypatch.setattr(cuda_q4, "FUSED_EXPERTS", fused)
+        outs[fused] = triton_moe.moe(x[:1], router, st, k, True)
+    assert torch.equal(outs[True], outs[False])
+    among = triton_moe.moe(x, router, st, k, True)
+    assert torch.equal(among[:1], outs[True])
