@@ -4,7 +4,8 @@
 # on whatever machine comes (v33: the fused one-token experts' too), times a q4 phase taken
 # apart and one token's experts fused against two launches (bench/preload_probe.py
 # --experts), takes the defaults' baseline at contexts 128 / 2,048 x 1 / 64, runs the ab
-# modes of MODES beside them (v32-v33: `efused`, one token's experts in one cluster launch;
+# modes of MODES beside them (v32-v33: `efused`, one token's experts in one cluster launch,
+# `efusedk` with the top-k folded in;
 # `cstream` / `estream` / `dstream`, the CTA form's, the one-token gate_up's and down's
 # splits streamed whole; v30's defaults, `noeven_nointer32`, for the H200's reading of the
 # q4 K loops unmasked and the fp32 intermediate), the engine's bitwise sets under
@@ -53,7 +54,7 @@ if [ -n "${T144-}" ]; then
     TAG=_t144 bash bench/gpu_ab.sh 2>&1 | grep -v "^KV pool\|^NVIDIA\|^torch"
 fi
 
-MODES=${MODES-pdl_cstream pdl_efused pdl_estream pdl_dstream pdl_cstream_estream_dstream pdl_cstream_efused pdl_noeven_nointer32 pdl}
+MODES=${MODES-pdl_efused pdl_efusedk pdl_cstream pdl_estream pdl_dstream pdl_cstream_estream_dstream pdl_cstream_efusedk pdl_noeven_nointer32 pdl}
 BITWISE_MODES=${BITWISE_MODES-}
 [ -n "$MODES" ] && KERNEL_TESTS= BENCH= ENGINE_TESTS= TAIL=${TAIL:-7} T_ENGINE=${T_ENGINE:-150} \
   ENGINE_MODES="$MODES" CONTEXT=${BASE_CONTEXT:-128,2048} STREAMS=${BASE_STREAMS:-1,64} TAG=_base \
