@@ -572,22 +572,19 @@ def moe(x: torch.Tensor, router: Linear, experts: StackedExperts, top_k: int,
     t, dev = x.shape[0], x.device
     ids = torch.empty(t, top_k, dtype=torch.int32, device=dev)  # [T, k]
     wts = torch.empty(t, top_k, dtype=torch.float32, device=dev)  # [T, k]
-    if _fused_topk(x, t, top_k, experts, router):  # cuda_q4.FUSED_TOPK at one token
-        from kernels import cuda_q4
-        logits = torch.empty(t, router.out_features, dtype=torch.float32, device=dev)
-        triton_moe_route.route(x, router, top_k, norm_topk_prob, ids, wts, logits, logits_only=True)
-        inter = torch.empty(t * top_k, experts.inter, dtype=torch.float16, device=dev)
-        y = torch.empty(t * top_k, experts.hidden, dtype=torch.float32, device=dev)
-        cuda_q4.experts_fused(x, ids, experts, inter, y, logits=logits, wts=wts, norm=norm_topk_prob)
-        out = torch.empty(t, experts.hidden, dtype=torch.float32, device=dev)
-        return triton_moe_route.combine(y, wts, out, residual)
-    triton_moe_route.route(x, router, top_k, norm_topk_prob, ids, wts)
-    if fused_fits(t, top_k, experts):
+    fold = _fused_topk(x, t, top_k, experts, router)  # the fused experts rank the logits
+    logits = torch.empty(t, router.out_features, dtype=torch.float32, device=dev) if fold else None
+    triton_moe_route.route(x, router, top_k, norm_topk_prob, ids, wts, logits, logits_only=fold)
+    if not fold and fused_fits(t, top_k, experts):
         return _fused(x, ids, wts, experts, residual)
     inter = torch.empty(t * top_k, experts.inter, dtype=moe_inter_dtype(x, t, top_k, experts),
                         device=dev)  # [T*k, I]
     y = torch.empty(t * top_k, experts.hidden, dtype=torch.float32, device=dev)  # [T*k, hidden]
-    experts_forward(x, ids, experts, inter, y)
+    if fold:  # (ids and wts: its outputs)
+        from kernels import cuda_q4
+        cuda_q4.experts_fused(x, ids, experts, inter, y, logits=logits, wts=wts, norm=norm_topk_prob)
+    else:
+        experts_forward(x, ids, experts, inter, y)
     out = torch.empty(t, experts.hidden, dtype=torch.float32, device=dev)
     return triton_moe_route.combine(y, wts, out, residual)
 
