@@ -236,7 +236,7 @@ def experts_chain(layers: int, replays: int) -> list[dict]:
     st = stacks[0]
     print(f"experts: splits gate_up {st.gu_split} / down {st.down_split}; fused takes them: "
           f"{cuda_q4._fused_shape(st, cuda_q4.FUSED_CLUSTER) is not None}; "
-          f"clusters of {cuda_q4.FUSED_CLUSTER} resident at once: {cuda_q4.fused_clusters()}", flush=True)
+          f"clusters of {cuda_q4.FUSED_CLUSTER} resident at once: {cuda_q4.fused_clusters(st)}", flush=True)
     ids = torch.arange(8, device="cuda", dtype=torch.int32).view(1, 8)
     x0 = torch.randn(1, hidden, generator=g, device="cuda")
     inters = [torch.empty(8, inter, device="cuda", dtype=torch.float16) for _ in stacks]

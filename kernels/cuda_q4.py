@@ -927,17 +927,26 @@ __device__ __forceinline__ void topk_cta(const float* sl, int E, int k, int norm
   }
 }
 
+// The top-k of one logits row (global memory, read after the caller's PDL wait) by the whole
+// CTA, in its own shared memory; ids / wts written where not null. Returns the picks' ids
+// (shared memory, rank order).
+__device__ __forceinline__ const int* topk_row(const float* __restrict__ row, int E, int k, int norm,
+                                               int* __restrict__ ids, float* __restrict__ wts) {
+  __shared__ float sl[TOPK_MAX_E], sp[TOPK_MAX_E], sel[TOPK_MAX_K], red[1];
+  __shared__ int sk[TOPK_MAX_E], sid[TOPK_MAX_K];
+  for (int i = threadIdx.x; i < E; i += blockDim.x) sl[i] = row[i];
+  __syncthreads();
+  topk_cta(sl, E, k, norm, sp, sk, sel, sid, red, ids, wts);
+  return sid;
+}
+
 // grid (T); block 256: row t's top-k (after the PDL wait: the logits are the predecessor's)
 #define TOPK_ROWS extern "C" __global__ void __launch_bounds__(256) topk_rows( \
     const float* __restrict__ logits, int* __restrict__ ids, float* __restrict__ wts, int E, \
     int k, int norm, int stride_l) { \
-  __shared__ float sl[TOPK_MAX_E], sp[TOPK_MAX_E], sel[TOPK_MAX_K], red[1]; \
-  __shared__ int sk[TOPK_MAX_E], sid[TOPK_MAX_K]; \
   pdl_wait(); \
   const long t = blockIdx.x; \
-  for (int i = threadIdx.x; i < E; i += blockDim.x) sl[i] = logits[t * stride_l + i]; \
-  __syncthreads(); \
-  topk_cta(sl, E, k, norm, sp, sk, sel, sid, red, ids + t * k, wts + t * k); }
+  topk_row(logits + t * stride_l, E, k, norm, ids + t * k, wts + t * k); }
 
 // ---- the one-token experts fused (FUSED_EXPERTS): gate_up and down of an assignment a in
 // one launch, its CTAs one thread block cluster of CS (16 warps each). CTA r takes gate_up's
@@ -1009,15 +1018,10 @@ __device__ __forceinline__ void q4_expert_fused(const float* __restrict__ x, int
   pdl_wait();  // ids: the top-k's (TOPK: the router's logits)
   long e;
   if constexpr (TOPK) {
-    __shared__ float sl[TOPK_MAX_E], sp[TOPK_MAX_E], sel[TOPK_MAX_K], red[1];
-    __shared__ int sk[TOPK_MAX_E], sid[TOPK_MAX_K];
     const long t = a / topk;
-    for (int i = threadIdx.x; i < E; i += blockDim.x) sl[i] = logits[t * stride_l + i];
-    __syncthreads();
     const bool writer = r == 0 && a % topk == 0;
-    topk_cta(sl, E, topk, norm, sp, sk, sel, sid, red, writer ? ids + t * topk : nullptr,
-             writer ? wts + t * topk : nullptr);
-    e = sid[a % topk];
+    e = topk_row(logits + t * stride_l, E, topk, norm, writer ? ids + t * topk : nullptr,
+                 writer ? wts + t * topk : nullptr)[a % topk];
   } else {
     e = ids[a];
   }
@@ -1693,19 +1697,23 @@ def fused_fits(experts, x: torch.Tensor, t: int) -> bool:
 TOPK_MAX_E, TOPK_MAX_K = 256, 32  # (the source's)
 
 
-def fused_clusters(device: int = 0, cs: int | None = None) -> int:
-    """How many clusters of q4_efused{cs}_2 (at the 30B's shared memory, 512 threads) the
-    device holds at once (cuOccupancyMaxActiveClusters; 0 where it cannot say, a negative
-    CUresult where it failed); one token's experts take 8."""
+def fused_clusters(experts, device: int = 0, cs: int | None = None) -> int:
+    """How many clusters of q4_efused{cs}_2 (at these experts' shared memory and threads) the
+    device holds at once (cuOccupancyMaxActiveClusters; 0 where it cannot say or the fused
+    experts do not take them, a negative CUresult where it failed); one token's experts take
+    top-k of them."""
     cs = cs or FUSED_CLUSTER
+    shape = _fused_shape(experts, cs)
+    if shape is None:
+        return 0
     cuda, fns = _functions(device)
     fn = fns[f"q4_efused{cs}_2".encode()]
-    smem = 188 * 1024
+    smem = _fused_smem(experts, cs)
     if cuda.cuFuncSetAttribute(fn, 8, smem) or (cs > 8 and cuda.cuFuncSetAttribute(fn, 14, 1)):
         return 0
     _BIG_SMEM.add((fn.value, smem))
-    cfg = _LaunchConfig((ctypes.c_uint * 3)(cs, 8, 1), (ctypes.c_uint * 3)(512, 1, 1), smem,
-                        None, None, 0)
+    cfg = _LaunchConfig((ctypes.c_uint * 3)(cs, 8, 1), (ctypes.c_uint * 3)(32 * shape[2], 1, 1),
+                        smem, None, None, 0)
     n = ctypes.c_int(0)
     if not hasattr(cuda, "cuOccupancyMaxActiveClusters"):  # (CUDA 12+)
         return 0
@@ -1756,9 +1764,10 @@ def experts_fused(x: torch.Tensor, ids: torch.Tensor, experts, inter: torch.Tens
     tensors = (x, ids, gw, gs.view(torch.int32), dw, ds.view(torch.int32), inter, y)
     ints = (experts.hidden, experts.inter, x.stride(0), experts.gu_split, experts.down_split, top_k)
     if logits is not None:
-        if wts is None or wts.shape != ids.shape or not wts.is_contiguous() \
-                or logits.shape[0] != t or not 0 < logits.shape[1] <= TOPK_MAX_E or top_k > TOPK_MAX_K:
-            raise ValueError("cuda_q4: the fused top-k needs logits [T, E ≤ 256], wts like ids")
+        if wts is None or wts.shape != ids.shape or not wts.is_contiguous() or logits.shape[0] != t \
+                or not 0 < logits.shape[1] <= min(TOPK_MAX_E, 32 * shape[2]) or top_k > TOPK_MAX_K:
+            raise ValueError("cuda_q4: the fused top-k needs logits [T, E ≤ 256 and ≤ the CTA's "
+                             "threads], wts like ids")
         tensors += (logits, wts)
         ints += (logits.shape[1], int(norm), logits.stride(0))
     _launch(cuda, fn, (cs, t * top_k, 1), 32 * shape[2], _fused_smem(experts, cs), tensors, ints)

@@ -438,7 +438,7 @@ def test_the_top_k_folded_into_the_fused_experts_gives_the_cuda_top_ks_bits(monk
     top-k then the two launches bit for bit, and a token's output alone equals its row among
     5 (the CUDA top-k at every token count)."""
     from bench.kernel_bench import rand_q4
-    from kernels import moe_layout, q4_layout, triton_moe, triton_moe_route
+    from kernels import moe_layout, q4_layout, triton_moe, triton_moe_route, triton_pdl
 
     hidden, inter, experts, k = 2048, 768, 128, 8
     g = torch.Generator("cuda").manual_seed(23)
@@ -457,7 +457,8 @@ def test_the_top_k_folded_into_the_fused_experts_gives_the_cuda_top_ks_bits(monk
             cuda_q4.topk(logits, k, True, i, w)
         else:
             triton_moe_route._topk_kernel[(16,)](logits, i, w, 64, experts, logits.stride(0), TOPK=k,
-                                                 NORM=True, BM=4, E_PAD=experts, num_warps=2)
+                                                 NORM=True, BM=4, E_PAD=experts, num_warps=2,
+                                                 **triton_pdl.launch(logits))
         ids[cuda_topk] = i, w
     assert torch.equal(ids[True][0], ids[False][0])
     assert torch.allclose(ids[True][1], ids[False][1], rtol=1e-6, atol=0)
